@@ -1,0 +1,110 @@
+"""Run a function on N gloo ranks in separate processes: free port, timeout, child tracebacks, no orphans."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died or timed out; the message carries the child's traceback."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, platform, env, args, kwargs, results):
+    os.environ.update({k: str(v) for k, v in env.items()})
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from mindspeed_proxy import platform as platform_mod
+
+        platform_mod.activate(platform)
+        import torch.distributed as dist
+
+        dist.init_process_group(platform_mod.distributed_backend(), rank=rank, world_size=world_size)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            _teardown()
+        # plain pickle: torch's ForkingPickler would share storages by fd, which dies with the child
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # every failure, SystemExit included, must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def _teardown():
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, platform: str = "cpu",
+                    env: dict | None = None, **kwargs) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return each rank's value, by rank.
+
+    `fn` must be importable (a module-level function). Each rank gets RANK/WORLD_SIZE/MASTER_* set,
+    one torch thread, the platform activated and a process group initialised; parallel_state and
+    the process group are destroyed after `fn`. Raises DistributedTestError with the first child
+    traceback if any rank fails, dies or exceeds `timeout` seconds; every child is ended first.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, platform, env or {}, args, kwargs,
+                                         results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedTestError(
+                    f"{fn.__name__} timed out after {timeout:.0f}s on {world_size} ranks "
+                    f"(finished ranks: {sorted(values)})"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                if dead:
+                    raise DistributedTestError(
+                        f"rank {dead[0]} of {fn.__name__} died with exit code {procs[dead[0]].exitcode}"
+                    )
+                continue
+            if status == "error":
+                raise DistributedTestError(f"rank {rank} of {fn.__name__} failed:\n{value}")
+            values[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(values) == world_size else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+    return [values[r] for r in range(world_size)]

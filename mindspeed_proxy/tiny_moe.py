@@ -1,0 +1,141 @@
+"""Tiny megatron-core GPT-MoE models (GQA, RoPE, SwiGLU, RMSNorm) built with the local layer spec.
+
+The same builder serves the tests, the example trainer and the demo, so a model in a test is the
+model users train. Parallel sizes come from megatron's `parallel_state`, which must be initialised.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TinyMoEConfig:
+    """Model shape and MoE settings of a tiny GPT-MoE (Megatron-LM argument names where they exist)."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    num_experts: int = 8
+    moe_ffn_hidden_size: int = 64
+    moe_router_topk: int = 2
+    moe_layer_freq: Union[int, list] = 1
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_grouped_gemm: bool = False  # True: legacy GroupedMLP (weight1/weight2), else SequentialMLP
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "none"
+    seq_length: int = 64
+    vocab_size: int = 264
+    init_method_std: float = 0.02
+    bf16: bool = False
+    sequence_parallel: bool = False
+    qk_layernorm: bool = False
+    extra: dict = field(default_factory=dict)  # any other TransformerConfig field
+
+    def replace(self, **changes) -> "TinyMoEConfig":
+        """Return a copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def transformer_config(cfg: TinyMoEConfig):
+    """Build megatron's TransformerConfig for `cfg` at the current parallel_state sizes."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        qk_layernorm=cfg.qk_layernorm,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        sequence_parallel=cfg.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        bf16=cfg.bf16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype if cfg.bf16 else None,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if cfg.num_experts:
+        kwargs.update(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_layer_freq=cfg.moe_layer_freq,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            moe_router_score_function=cfg.moe_router_score_function,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_use_legacy_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+            moe_router_dtype="fp32",
+        )
+    kwargs.update(cfg.extra)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config):
+    """Return megatron's local GPT decoder block spec for `config`, with SP-capable norms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mindspeed_proxy.norms import with_sequence_parallel_norms
+
+    return with_sequence_parallel_norms(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    )
+
+
+def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None):
+    """Build this rank's GPTModel chunk (pre/post process from the pipeline stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config(cfg)
+    pre = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=pre,
+        post_process=post,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        vp_stage=vp_stage,
+    )
+    if cfg.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model

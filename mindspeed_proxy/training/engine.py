@@ -1,0 +1,176 @@
+"""A real megatron-core training step: DDP, get_megatron_optimizer, Megatron's scheduler and schedules.
+
+Used by `examples/train_moe.py`, the tests and the demo. parallel_state must be initialised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from mindspeed_proxy.tiny_moe import TinyMoEConfig, build_model, transformer_config
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (Megatron-LM argument names)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: Optional[int] = None
+    train_iters: int = 100
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    use_distributed_optimizer: bool = False
+    seed: int = 1234
+
+
+def data_parallel_size() -> int:
+    """Data-parallel size of the dense part (world / (TP x PP x CP))."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def num_microbatches(cfg: TrainConfig) -> int:
+    """Micro-batches per step on each DP rank; raises if the global batch does not split evenly."""
+    dp = data_parallel_size()
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size {cfg.global_batch_size} is not divisible by --micro-batch-size "
+            f"{cfg.micro_batch_size} x data-parallel size {dp}"
+        )
+    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
+
+
+def microbatch_sample_ids(cfg: TrainConfig, iteration: int) -> list[list[int]]:
+    """Global sample ids of each micro-batch of this DP rank at `iteration` (Megatron's sampler order)."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = data_parallel_size(), ps.get_data_parallel_rank()
+    start = iteration * cfg.global_batch_size
+    mbs = cfg.micro_batch_size
+    return [
+        list(range(start + (m * dp + dp_rank) * mbs, start + (m * dp + dp_rank + 1) * mbs))
+        for m in range(num_microbatches(cfg))
+    ]
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    from megatron.core import parallel_state as ps
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    reported = loss.detach().clone()
+    torch.distributed.all_reduce(reported, group=ps.get_data_parallel_group())
+    reported /= ps.get_data_parallel_world_size()
+    return loss, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward-step function: model output and the masked-mean LM loss closure."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR scheduler, one step at a time."""
+
+    def __init__(self, model_cfg: TinyMoEConfig, train_cfg: TrainConfig,
+                 init_fn: Optional[Callable[[torch.nn.Module], None]] = None):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.model_cfg, self.cfg = model_cfg, train_cfg
+        self.config = transformer_config(model_cfg)
+        self.num_microbatches = num_microbatches(train_cfg)
+        model = build_model(model_cfg, self.config)
+        if init_fn is not None:
+            init_fn(model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=train_cfg.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        self.model = [DistributedDataParallel(self.config, ddp_config, model)]
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=train_cfg.lr,
+            min_lr=train_cfg.min_lr,
+            weight_decay=train_cfg.weight_decay,
+            adam_beta1=train_cfg.adam_beta1,
+            adam_beta2=train_cfg.adam_beta2,
+            adam_eps=train_cfg.adam_eps,
+            clip_grad=train_cfg.clip_grad,
+            bf16=model_cfg.bf16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=train_cfg.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        gbs = train_cfg.global_batch_size
+        decay_iters = train_cfg.lr_decay_iters or train_cfg.train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if train_cfg.lr_warmup_iters else train_cfg.lr,
+            max_lr=train_cfg.lr,
+            min_lr=train_cfg.min_lr,
+            lr_warmup_steps=train_cfg.lr_warmup_iters * gbs,
+            lr_decay_steps=max(decay_iters, 1) * gbs,
+            lr_decay_style=train_cfg.lr_decay_style,
+            start_wd=train_cfg.weight_decay,
+            end_wd=train_cfg.weight_decay,
+            wd_incr_steps=max(train_cfg.train_iters, 1) * gbs,
+            wd_incr_style="constant",
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model[0].no_sync
+
+    def unwrapped(self) -> list[torch.nn.Module]:
+        """The model chunks without DDP / Float16Module wrappers (what checkpoints hold)."""
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)
+
+    def train_step(self, microbatches: list[dict]) -> dict:
+        """One optimizer step over this rank's micro-batches; returns loss, grad_norm, lr, skipped."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.model_cfg.seq_length,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.scheduler.step(increment=self.cfg.global_batch_size)
+        loss = torch.zeros(1, dtype=torch.float64)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            loss += sum(float(x["lm loss"]) for x in losses) / max(len(losses), 1)
+        torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+        return {"loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
+                "lr": lr, "skipped": not ok}

@@ -1,0 +1,314 @@
+"""Transfer-to-CPU layer: lets unmodified megatron-core train on CPU with gloo.
+
+Megatron hard-codes CUDA in a handful of ways; each is remapped here to its CPU meaning, the way
+torch_npu's `transfer_to_npu` remaps them to NPU:
+
+- `device='cuda'`, `device=torch.cuda.current_device()` in tensor factories, `.to(...)`, `.cuda()`
+  and `Module.cuda()` -> CPU; `pin_memory=True` -> False.
+- `torch.cuda.current_device/device_count/set_device/synchronize/empty_cache/memory_*` -> CPU answers.
+- Streams and events -> inert objects (CPU work is already ordered), `torch.cuda.nvtx` -> no-ops.
+- The CUDA RNG state (`torch.cuda.get/set_rng_state`, `manual_seed`, Megatron's RNG tracker) -> the
+  CPU generator, so Megatron's `get_cuda_rng_tracker().fork()` swaps CPU generator states.
+- `Tensor.type()` of a CPU float tensor -> the `torch.cuda.*Tensor` string Megatron's optimizers check.
+- `moe_utils.te_general_gemm` defined as None when Transformer Engine is absent; an eager
+  `grouped_gemm.ops.gmm` for the legacy GroupedMLP; the alltoall dispatcher's device-to-host copy
+  of split sizes (a no-op on CPU that must still return numpy when asked).
+
+Numerics are untouched: every remap changes where a tensor lives or answers a query, never a value.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from mindspeed_proxy.patches.registry import Patch, apply_feature, register
+
+FEATURE = "cpu-platform"
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "rand", "randn",
+    "randint", "randperm", "linspace", "logspace", "eye", "empty_strided", "zeros_like", "ones_like",
+    "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "scalar_tensor",
+    "tril_indices", "triu_indices", "normal", "frombuffer",
+)
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+}
+
+
+def cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (int, 'cuda', 'cuda:N', torch.device) to 'cpu'; leave others as given."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str):
+        return torch.device("cpu") if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _remap_kwargs(kwargs: dict) -> dict:
+    if "device" in kwargs:
+        kwargs["device"] = cpu_device(kwargs["device"])
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _factory(original):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return original(*args, **_remap_kwargs(kwargs))
+
+    return wrapper
+
+
+def _tensor_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], (int, str, torch.device)) and not isinstance(args[0], bool):
+            args = (cpu_device(args[0]),) + args[1:]
+        return original(self, *args, **_remap_kwargs(kwargs))
+
+    return to
+
+
+def _module_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], (int, str, torch.device)) and not isinstance(args[0], bool):
+            args = (cpu_device(args[0]),) + args[1:]
+        return original(self, *args, **_remap_kwargs(kwargs))
+
+    return to
+
+
+def _tensor_new(original):
+    @functools.wraps(original)
+    def new(self, *args, **kwargs):
+        return original(self, *args, **_remap_kwargs(kwargs))
+
+    return new
+
+
+def _tensor_cuda(_original):
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    return cuda
+
+
+def _module_cuda(_original):
+    def cuda(self, device=None):
+        return self
+
+    return cuda
+
+
+def _tensor_pin_memory(_original):
+    def pin_memory(self, device=None):
+        return self
+
+    return pin_memory
+
+
+def _tensor_type(original):
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name) if self.device.type == "cpu" else name
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = dtype.replace("torch.cuda.", "torch.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
+class InertStream:
+    """Stands in for torch.cuda.Stream on CPU, where all work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream):
+        """No-op: CPU work is serial."""
+
+    def wait_event(self, event):
+        """No-op: CPU work is serial."""
+
+    def record_event(self, event=None):
+        """Return an inert event."""
+        return event if event is not None else InertEvent()
+
+    def synchronize(self):
+        """No-op: CPU work is serial."""
+
+    def query(self):
+        """Always complete."""
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, InertStream)
+
+    def __hash__(self):
+        return 0
+
+
+class InertEvent:
+    """Stands in for torch.cuda.Event on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        """No-op."""
+
+    def wait(self, stream=None):
+        """No-op."""
+
+    def synchronize(self):
+        """No-op."""
+
+    def query(self):
+        """Always complete."""
+        return True
+
+    def elapsed_time(self, other):
+        """Not measurable on CPU; 0 ms."""
+        return 0.0
+
+
+_DEFAULT_STREAM = InertStream()
+
+
+def _const(value):
+    return lambda _original: (lambda *a, **k: value)
+
+
+def _noop(_original):
+    return lambda *a, **k: None
+
+
+def _stream_ctx(_original):
+    return lambda *a, **k: contextlib.nullcontext()
+
+
+def _get_rng_state(_original):
+    return lambda device="cuda": torch.get_rng_state()
+
+
+def _set_rng_state(_original):
+    return lambda new_state, device="cuda", *a, **k: torch.set_rng_state(new_state)
+
+
+def _manual_seed(_original):
+    return lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+def _megatron_set_rng_state(_original):
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return set_state
+
+
+def _megatron_get_rng_state(_original):
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    return get_state
+
+
+class CPUGroupedGemmOps:
+    """Eager stand-in for the `grouped_gemm` CUDA package used by megatron's legacy GroupedMLP."""
+
+    @staticmethod
+    def gmm(a, b, batch_sizes, trans_b=False):
+        """Rows of `a` split by `batch_sizes`, group i multiplied by `b[i]` (transposed if trans_b)."""
+        sizes = [int(n) for n in batch_sizes.tolist()]
+        outs = [chunk @ (w.t() if trans_b else w) for chunk, w in zip(torch.split(a, sizes), b)]
+        return torch.cat(outs) if outs else a.new_zeros(0, b.shape[-2 if trans_b else -1])
+
+
+class _GroupedGemmPackage:
+    ops = CPUGroupedGemmOps
+
+
+def _host_copy(_original):
+    """On CPU every tensor is already on the host; still honour `as_numpy` as the CUDA path does."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    return maybe_move_tensor_to_cpu
+
+
+def _fallback(value):
+    return lambda original: original if original is not None else value
+
+
+def _class(cls):
+    return lambda _original: cls
+
+
+def _register_all() -> None:
+    for name in _FACTORIES:
+        register(Patch(f"torch:{name}", _factory, FEATURE, versions="", optional=True))
+    tensor_rows = [
+        ("Tensor.to", _tensor_to), ("Tensor.cuda", _tensor_cuda), ("Tensor.type", _tensor_type),
+        ("Tensor.pin_memory", _tensor_pin_memory), ("nn.Module.cuda", _module_cuda),
+        ("nn.Module.to", _module_to),
+    ] + [(f"Tensor.{n}", _tensor_new) for n in ("new_empty", "new_zeros", "new_ones", "new_full",
+                                                "new_tensor", "new_empty_strided")]
+    for attr, build in tensor_rows:
+        register(Patch(f"torch:{attr}", build, FEATURE, versions=""))
+    cuda_rows = [
+        ("current_device", _const(0)), ("device_count", _const(1)), ("set_device", _noop),
+        ("synchronize", _noop), ("empty_cache", _noop), ("memory_allocated", _const(0)),
+        ("max_memory_allocated", _const(0)), ("memory_reserved", _const(0)),
+        ("max_memory_reserved", _const(0)), ("reset_peak_memory_stats", _noop),
+        ("memory_stats", _const({})), ("current_stream", _const(_DEFAULT_STREAM)),
+        ("default_stream", _const(_DEFAULT_STREAM)), ("set_stream", _noop),
+        ("stream", _stream_ctx), ("Stream", _class(InertStream)), ("Event", _class(InertEvent)),
+        ("get_rng_state", _get_rng_state), ("set_rng_state", _set_rng_state),
+        ("manual_seed", _manual_seed), ("manual_seed_all", _manual_seed),
+        ("random.get_rng_state", _get_rng_state), ("random.set_rng_state", _set_rng_state),
+        ("random.manual_seed", _manual_seed), ("random.manual_seed_all", _manual_seed),
+        ("nvtx.range_push", _noop), ("nvtx.range_pop", _noop), ("nvtx.mark", _noop),
+        ("nvtx.range", _stream_ctx),
+    ]
+    for attr, build in cuda_rows:
+        register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=""))
+    megatron_rows = [
+        ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),
+        ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _megatron_get_rng_state, False),
+        ("megatron.core.transformer.moe.moe_utils:te_general_gemm",
+         lambda original: original, True),
+        ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
+         _fallback(_GroupedGemmPackage), False),
+        ("megatron.core.transformer.moe.grouped_gemm_util:ops", _fallback(CPUGroupedGemmOps), False),
+        ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu", _host_copy, False),
+        ("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu", _host_copy, False),
+    ]
+    for target, build, optional in megatron_rows:
+        register(Patch(target, build, FEATURE, optional=optional))
+
+
+def install() -> list[str]:
+    """Install the transfer-to-CPU layer once; return the targets patched by this call."""
+    _register_all()
+    return apply_feature(FEATURE)

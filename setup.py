@@ -1,0 +1,33 @@
+"""Packaging for mindspeed-proxy (the library `mindspeed_proxy/` plus `patches/` as `mindspeed_proxy.patches`)."""
+from setuptools import find_packages, setup
+
+library = find_packages(include=["mindspeed_proxy", "mindspeed_proxy.*"])
+patch_packages = ["mindspeed_proxy.patches"] + [
+    "mindspeed_proxy.patches." + p for p in find_packages(where="patches")
+]
+
+setup(
+    name="mindspeed-proxy",
+    version="0.1.0",
+    description="Mechanism-driven monitors and MoE proxy models for Megatron-core / MindSpeed RL post-training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=library + patch_packages,
+    package_dir={"mindspeed_proxy.patches": "patches"},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        # Tested on 0.16.1; the patched code paths are written for the 0.12-0.16 line.
+        "megatron-core>=0.12,<0.17",
+        "packaging",
+        "psutil",  # megatron dist_checkpointing imports it
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "pyyaml", "scipy", "scikit-learn"],
+        "report": ["matplotlib"],
+        "npu": ["torch_npu"],
+        "proxy": ["scipy", "scikit-learn", "tqdm"],
+    },
+    entry_points={"console_scripts": ["mindspeed-proxy=mindspeed_proxy.cli:main"]},
+)
