@@ -39,6 +39,7 @@ class TinyMoEConfig:
     bf16: bool = False
     sequence_parallel: bool = False
     qk_layernorm: bool = False
+    position_embedding_type: str = "rope"
     extra: dict = field(default_factory=dict)  # any other TransformerConfig field
 
     def replace(self, **changes) -> "TinyMoEConfig":
@@ -130,7 +131,7 @@ def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None)
         max_sequence_length=cfg.seq_length,
         pre_process=pre,
         post_process=post,
-        position_embedding_type="rope",
+        position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
     )

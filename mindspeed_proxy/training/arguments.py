@@ -1,0 +1,160 @@
+"""Command-line arguments of the example trainer, with Megatron-LM's flag names and `args` field names."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from mindspeed_proxy.tiny_moe import TinyMoEConfig
+from mindspeed_proxy.training.engine import TrainConfig
+
+
+class ArgumentError(ValueError):
+    """A flag value that cannot work; reported as one line before anything is written."""
+
+
+def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
+    """The trainer's parser (a subset of Megatron-LM's flags, same spelling and defaults' meaning)."""
+    p = argparse.ArgumentParser(prog=prog, description="Train a tiny megatron-core GPT-MoE (CPU or accelerator).",
+                                allow_abbrev=False)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=2)
+    g.add_argument("--num-experts", type=int, default=8)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=64)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-layer-freq", type=int, default=1)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="legacy GroupedMLP (bf16 only)")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--bf16", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("data, checkpoints and logging")
+    g.add_argument("--data-path", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx); "
+                   "default: the embedded Python-stdlib corpus")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist")
+    g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl goes here (default: beside --save, "
+                   "else ./runs/<timestamp>)")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
+                   help="platform (default: MINDSPEED_PROXY_DEVICE, else auto-detect)")
+    return p
+
+
+def validate_static(args: argparse.Namespace) -> None:
+    """Checks that need no process group; raises ArgumentError naming the flag and the value."""
+    if args.num_experts and args.num_experts % args.expert_model_parallel_size:
+        raise ArgumentError(
+            f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
+            f"{args.expert_model_parallel_size}"
+        )
+    if args.num_experts and args.moe_router_topk > args.num_experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--num-query-groups {args.num_query_groups}")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load}: no such directory")
+    if args.global_batch_size % args.micro_batch_size:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                            f"--micro-batch-size {args.micro_batch_size}")
+    if args.moe_grouped_gemm and not args.bf16:
+        raise ArgumentError("--moe-grouped-gemm (legacy GroupedMLP) needs --bf16 in megatron-core")
+    if args.tensor_model_parallel_size > 1 and args.num_experts:
+        args.sequence_parallel = True  # megatron-core requires SP for MoE with TP > 1
+
+
+def validate_world(args: argparse.Namespace, world_size: int) -> None:
+    """Checks against the launched world size; fills Megatron's derived fields (world/data-parallel size)."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+                            f"--pipeline-model-parallel-size = {model_parallel}")
+    dp = world_size // model_parallel
+    if dp % args.expert_model_parallel_size:
+        raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size} does not divide "
+                            f"the data-parallel size {dp} (world {world_size} / TP x PP {model_parallel})")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    vocab = TinyMoEConfig().vocab_size
+    if vocab % args.tensor_model_parallel_size:
+        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
+                            f"the padded vocabulary size {vocab}")
+    args.world_size = world_size
+    args.data_parallel_size = dp
+    args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    args.virtual_pipeline_model_parallel_size = None
+    args.use_dist_ckpt = args.ckpt_format == "torch_dist"
+    args.padded_vocab_size = model_config(args).vocab_size
+    args.group_query_attention = args.num_query_groups != args.num_attention_heads
+    args.add_bias_linear = False
+    args.normalization = "RMSNorm"
+    args.position_embedding_type = "rope"
+    args.swiglu = True
+    args.transformer_impl = "local"
+    args.moe_use_legacy_grouped_gemm = args.moe_grouped_gemm
+    args.moe_router_num_groups = None
+    args.moe_tp_extend_ep = False
+    args.max_position_embeddings = args.seq_length
+
+
+def model_config(args: argparse.Namespace) -> TinyMoEConfig:
+    """The TinyMoEConfig described by `args`."""
+    return TinyMoEConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
+        num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk, moe_layer_freq=args.moe_layer_freq,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_grouped_gemm=args.moe_grouped_gemm, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff else "none",
+        seq_length=args.seq_length,
+        bf16=args.bf16, sequence_parallel=args.sequence_parallel,
+    )
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig described by `args`."""
+    return TrainConfig(
+        lr=args.lr, min_lr=min(args.min_lr, args.lr), lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style, train_iters=args.train_iters, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size, use_distributed_optimizer=args.use_distributed_optimizer,
+        seed=args.seed,
+    )

@@ -1,0 +1,151 @@
+"""The example trainer's main loop: validate, set up megatron-core, train, log, checkpoint, resume."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import datetime
+
+import torch
+
+from mindspeed_proxy.training import arguments as A
+
+
+def _fail(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_log_dir(args) -> str:
+    """--log-dir, else `<--save>/logs`, else ./runs/<timestamp>."""
+    if args.log_dir:
+        return args.log_dir
+    if args.save:
+        return os.path.join(args.save, "logs")
+    return os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+class MetricsWriter:
+    """metrics.jsonl on global rank 0: one record of resolved arguments, then one per step."""
+
+    def __init__(self, log_dir: str, args, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(log_dir, "metrics.jsonl")
+        if enabled:
+            os.makedirs(log_dir, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")
+            self.write({"type": "args", "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())}})
+
+    def write(self, record: dict) -> None:
+        """Append one JSON record (rank 0 only) and flush."""
+        if self.enabled:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        if self.enabled:
+            self._fh.close()
+
+
+def _jsonable(value):
+    return value if isinstance(value, (int, float, str, bool, type(None), list)) else str(value)
+
+
+def _init_distributed(args) -> None:
+    from mindspeed_proxy import platform
+    from mindspeed_proxy.testing.parallel import init_parallel
+
+    platform.activate(args.device)
+    if platform.current() == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or
+                                  max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1")))))
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port_once()))
+        torch.distributed.init_process_group(
+            platform.distributed_backend(), rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    A.validate_world(args, torch.distributed.get_world_size())
+    init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                  ep=args.expert_model_parallel_size, seed=args.seed)
+
+
+def _free_port_once() -> int:
+    from mindspeed_proxy.testing.launcher import free_port
+
+    return free_port()
+
+
+def _print_rank0(message: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def _format_step(iteration: int, total: int, consumed: int, ms: float, result: dict, gbs: int,
+                 skipped: int) -> str:
+    grad = result["grad_norm"]
+    return (f" iteration {iteration:8d}/{total:8d} | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {result['lr']:.6E} | "
+            f"global batch size: {gbs:5d} | lm loss: {result['loss']:.6E} | "
+            f"grad norm: {grad if grad is None else f'{grad:.3f}'} | "
+            f"number of skipped iterations: {skipped:3d} |")
+
+
+def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
+    """Run the trainer with Megatron-LM style `argv`; returns 0, exits 2 on bad input before writing."""
+    from mindspeed_proxy import data
+    from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training.engine import Trainer, microbatch_sample_ids
+
+    args = A.build_parser(prog).parse_args(argv)
+    try:
+        A.validate_static(args)
+        if args.data_path:
+            data.validate_data_prefix(args.data_path)
+        load_format = C.checkpoint_format(args.load) if args.load else None
+    except ValueError as exc:
+        _fail(prog, str(exc))
+    try:
+        _init_distributed(args)
+    except A.ArgumentError as exc:
+        _fail(prog, str(exc))
+    rank0 = torch.distributed.get_rank() == 0
+    prefix = args.data_path or data.default_corpus_prefix(args.data_cache_path)
+    train_ds, _ = data.build_gpt_datasets(prefix, args.seq_length, args.seed,
+                                          args.train_iters * args.global_batch_size,
+                                          cache_dir=args.data_cache_path)
+    trainer = Trainer(A.model_config(args), A.train_config(args))
+    start = 0
+    if args.load:
+        loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
+        info = loader(args.load, trainer)
+        start = 0 if args.finetune else info["iteration"]
+        _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
+    log_dir = resolve_log_dir(args)
+    metrics = MetricsWriter(log_dir, args, enabled=rank0)
+    saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
+    skipped = 0
+    for iteration in range(start, args.train_iters):
+        ids = microbatch_sample_ids(trainer.cfg, iteration)
+        batches = [data.get_batch(train_ds, mb) for mb in ids]
+        t0 = time.perf_counter()
+        result = trainer.train_step(batches)
+        seconds = time.perf_counter() - t0
+        skipped += int(result["skipped"])
+        step = iteration + 1
+        tokens = args.global_batch_size * args.seq_length
+        metrics.write({"type": "step", "iteration": step, "loss": result["loss"],
+                       "grad_norm": result["grad_norm"], "lr": result["lr"],
+                       "tokens_per_s": tokens / seconds, "step_time_s": seconds,
+                       "skipped": result["skipped"]})
+        if step % args.log_interval == 0:
+            _print_rank0(_format_step(step, args.train_iters, step * args.global_batch_size,
+                                      seconds * 1000, result, args.global_batch_size, skipped))
+        if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
+            saver(args.save, step, trainer, args)
+            _print_rank0(f" saved {args.ckpt_format} checkpoint at iteration {step} to {args.save}")
+    metrics.close()
+    _print_rank0(f" metrics written to {metrics.path}")
+    return 0
