@@ -73,7 +73,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     port = free_port()
     procs = [
         ctx.Process(target=_child, args=(fn, rank, world_size, port, platform, env or {}, args, kwargs,
-                                         results), daemon=True)
+                                         results), daemon=False)  # ranks may start helper processes (dist_checkpointing)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -131,9 +131,13 @@ def load_legacy(root: str, trainer, iteration: int | None = None) -> dict:
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[_model_key(i, len(chunks))], strict=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    if trainer.cfg.use_distributed_optimizer:
-        trainer.optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    with torch.no_grad():  # main params are leaves that require grad; the load copies into them
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        if trainer.cfg.use_distributed_optimizer:
+            _drop_adam_steps(trainer.optimizer)
+            trainer.optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+            _restore_adam_steps(trainer.optimizer,
+                                _saved_steps(state["optimizer"], len(_chained(trainer.optimizer))))
     trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
     set_rng_state(state["rng_state"][0])
     return {"iteration": state["iteration"], "args": state["args"]}
@@ -189,6 +193,57 @@ def save_dist(root: str, iteration: int, trainer, args) -> str:
     return folder
 
 
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give an un-stepped distributed optimizer its state tensors before a sharded load.
+
+    Without Apex/TE, megatron-core's DistributedOptimizer.state_dict() asserts one 'step' value in the
+    inner Adam state, which does not exist before the first step; Megatron's own dummy initialisation
+    creates it, and the load then overwrites every value in place.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _chained(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _saved_steps(optimizer_state: dict, count: int) -> list:
+    """Adam step per chained optimizer, from the param groups Megatron stores ('step' key)."""
+    parts = [optimizer_state[i] for i in range(count)] if count > 1 else [optimizer_state]
+    steps = []
+    for part in parts:
+        groups = (part.get("optimizer") or {}).get("param_groups", [])
+        values = {float(g["step"]) for g in groups if "step" in g}
+        steps.append(values.pop() if len(values) == 1 else None)
+    return steps
+
+
+def _restore_adam_steps(optimizer, steps: list) -> None:
+    """Give every Adam state its own 'step' tensor equal to the saved step.
+
+    Without Apex/TE, megatron-core's DistributedOptimizer keeps Adam's step only in the param groups
+    of its checkpoint and, on load, hands ONE tensor to every parameter state (torch's Adam then
+    increments it once per parameter) or overwrites it with the template's dummy value. Both corrupt
+    the bias correction after resuming; this restores one private step tensor per parameter.
+    """
+    for opt, step in zip(_chained(optimizer), steps):
+        if step is None:
+            continue
+        for state in getattr(opt.optimizer, "state", {}).values():
+            if state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _drop_adam_steps(optimizer) -> None:
+    """Remove 'step' from Adam states: megatron's legacy parameter-state load copies every state key
+    from the file, which holds no 'step' (the non-Apex path keeps it in the param groups)."""
+    for opt in _chained(optimizer):
+        for state in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+            state.pop("step", None)
+
+
 def load_dist(root: str, trainer, iteration: int | None = None) -> dict:
     """Load a `torch_dist` checkpoint into `trainer` (any TP/PP/EP it was saved with)."""
     from megatron.core import dist_checkpointing
@@ -198,11 +253,16 @@ def load_dist(root: str, trainer, iteration: int | None = None) -> dict:
     if not dist_checkpointing.check_is_distributed_checkpoint(folder):
         raise ValueError(f"--load {root}: {folder} is not a torch_dist checkpoint")
     common = dist_checkpointing.load_common_state_dict(folder)
+    _ensure_optimizer_state(trainer.optimizer)
     loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), folder)
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # main params are leaves that require grad; the load copies into them
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    if trainer.cfg.use_distributed_optimizer:
+        _restore_adam_steps(trainer.optimizer,
+                            _saved_steps(loaded["optimizer"], len(_chained(trainer.optimizer))))
     trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
     rng = loaded["rng_state"]
     set_rng_state(rng[0] if isinstance(rng, list) else rng)
