@@ -86,13 +86,20 @@ def spectral_stats(
     }
 
 
+def _hcat(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # Concatenate columns into a column-major (LAPACK/cuSOLVER layout) [..., d, 2h]: QR then skips a
+    # transposing copy, and blocks taken from a Megatron [out, in] weight (.mT views) copy straight in.
+    x, y = torch.broadcast_tensors(x, y)
+    return torch.cat([x.mT, y.mT], dim=-2).mT
+
+
 def _factor_pair(wq_old, wk_old, wq_new, wk_new, term):
     if term == "delta2":
-        return torch.cat([wq_new - wq_old, wq_old], dim=-1), torch.cat([wk_old, wk_new - wk_old], dim=-1)
+        return _hcat(wq_new - wq_old, wq_old), _hcat(wk_old, wk_new - wk_old)
     if term == "delta3":
         return wq_new - wq_old, wk_new - wk_old
     if term == "delta1":
-        return torch.cat([wq_new, wq_old], dim=-1), torch.cat([wk_new, -wk_old], dim=-1)
+        return _hcat(wq_new, wq_old), _hcat(wk_new, -wk_old)
     raise ValueError(f"term must be one of {TERMS}, got {term!r}")
 
 

@@ -87,6 +87,9 @@ def validate_static(args: argparse.Namespace) -> None:
     if args.global_batch_size % args.micro_batch_size:
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                             f"--micro-batch-size {args.micro_batch_size}")
+    if args.lr_warmup_iters >= args.train_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --train-iters "
+                            f"{args.train_iters}")
     if args.moe_grouped_gemm and not args.bf16:
         raise ArgumentError("--moe-grouped-gemm (legacy GroupedMLP) needs --bf16 in megatron-core")
     if args.tensor_model_parallel_size > 1 and args.num_experts:

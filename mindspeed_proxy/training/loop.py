@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from datetime import datetime
 
 import torch
@@ -95,11 +96,13 @@ def _format_step(iteration: int, total: int, consumed: int, ms: float, result: d
 
 def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     """Run the trainer with Megatron-LM style `argv`; returns 0, exits 2 on bad input before writing."""
+    # megatron-core announces each missing optional kernel package at import; on CPU that is expected
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    args = A.build_parser(prog).parse_args(argv)
     from mindspeed_proxy import data
     from mindspeed_proxy.training import checkpointing as C
     from mindspeed_proxy.training.engine import Trainer, microbatch_sample_ids
 
-    args = A.build_parser(prog).parse_args(argv)
     try:
         A.validate_static(args)
         if args.data_path:

@@ -237,3 +237,16 @@ def test_spectral_stats_rank_and_tolerance_controls():
     assert batched["numerical_rank"].tolist() == [1, 2]
     assert batched["entropy"][0].item() == 0
     assert batched["entropy"][1].item() == pytest.approx(ref["entropy"], rel=1e-6)
+
+
+def test_qk_increment_accepts_megatron_weight_views():
+    gen = torch.Generator().manual_seed(11)
+    heads, h, d = 3, 4, 24
+    weights = [torch.randn(heads * h, d, generator=gen, dtype=torch.float64) for _ in range(2)]
+    steps = [w + 1e-2 * torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in weights]
+    views = [w.view(heads, h, d).mT for w in (weights[0], weights[1], steps[0], steps[1])]  # [heads, d, h]
+    got = qk_increment_singular_values(*views)
+    assert torch.equal(got, qk_increment_singular_values(*[v.contiguous() for v in views]))
+    for i in range(heads):
+        ref = dense_increment_sv(*[v[i] for v in views], "delta2")[: 2 * h]
+        assert spectrum_error(got[i], ref) <= 1e-10

@@ -1,0 +1,132 @@
+"""Platform selection and the transfer-to-CPU layer (each case in a fresh interpreter where it activates)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_proxy.testing import free_port
+
+PROBE = str(Path(__file__).with_name("numerics_probe.py"))
+
+
+def run_py(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env=full_env)
+
+
+def test_activate_is_idempotent_and_refuses_a_switch():
+    proc = run_py(
+        "from mindspeed_proxy import platform as p\n"
+        "assert p.current() is None\n"
+        "assert p.activate('cpu') == 'cpu' and p.activate('cpu') == 'cpu' and p.current() == 'cpu'\n"
+        "from mindspeed_proxy.patches import registry\n"
+        "n = len(registry.applied()); p.activate('cpu'); assert len(registry.applied()) == n\n"
+        "try:\n    p.activate('cuda')\nexcept RuntimeError as e:\n    print('refused', e)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "refused" in proc.stdout and "'cpu' is already active" in proc.stdout
+
+
+def test_env_var_selects_platform_and_bad_value_is_named():
+    ok = run_py("from mindspeed_proxy import platform as p; print(p.activate())",
+                env={"MINDSPEED_PROXY_DEVICE": "cpu"})
+    assert ok.returncode == 0 and ok.stdout.strip() == "cpu", ok.stderr
+    bad = run_py("from mindspeed_proxy import platform as p; p.activate()",
+                 env={"MINDSPEED_PROXY_DEVICE": "tpu"})
+    assert bad.returncode != 0 and "MINDSPEED_PROXY_DEVICE='tpu'" in bad.stderr
+
+
+def test_detect_without_accelerators_picks_cpu():
+    proc = run_py("from mindspeed_proxy import platform as p; print(p.detect())",
+                  env={"MINDSPEED_PROXY_DEVICE": ""})
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert proc.stdout.strip() == expected
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("torch_npu") is not None,
+                    reason="torch_npu is installed here, so the missing-package error cannot occur")
+def test_npu_without_torch_npu_is_a_clear_error():
+    proc = run_py("from mindspeed_proxy import platform as p; p.activate('npu')")
+    assert proc.returncode != 0
+    assert "platform 'npu' needs torch_npu" in proc.stderr
+
+
+def test_cpu_layer_remaps_cuda_requests():
+    proc = run_py(
+        "import torch\nfrom mindspeed_proxy import platform as p\np.activate('cpu')\n"
+        "a = torch.empty(3, device='cuda'); b = torch.zeros(2, device=torch.cuda.current_device())\n"
+        "c = torch.ones(2).cuda(); d = torch.ones(2).to('cuda:0'); e = a.new_zeros(4, device='cuda')\n"
+        "assert all(t.device.type == 'cpu' for t in (a, b, c, d, e))\n"
+        "assert torch.ones(1).type() == 'torch.cuda.FloatTensor'\n"
+        "assert torch.ones(1, dtype=torch.bfloat16).type() == 'torch.cuda.BFloat16Tensor'\n"
+        "assert torch.ones(1, dtype=torch.int64).type() == 'torch.LongTensor'\n"
+        "assert torch.ones(2).type(torch.float64).dtype == torch.float64\n"
+        "s = torch.cuda.current_stream(); s.wait_stream(torch.cuda.Stream())\n"
+        "with torch.cuda.stream(s):\n    pass\n"
+        "torch.cuda.synchronize(); torch.cuda.nvtx.range_push('x'); torch.cuda.nvtx.range_pop()\n"
+        "print('ok')\n"
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    proc = run_py(
+        "import os, torch\nfrom mindspeed_proxy import platform as p\np.activate('cpu')\n"
+        f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}')\n"
+        "torch.distributed.init_process_group('gloo', rank=0, world_size=1)\n"
+        "from mindspeed_proxy.testing import init_parallel\ninit_parallel(seed=5)\n"
+        "from megatron.core import tensor_parallel\n"
+        "torch.manual_seed(0); plain = torch.rand(4); after = torch.rand(4)\n"
+        "torch.manual_seed(0); first = torch.rand(4)\n"
+        "with tensor_parallel.get_cuda_rng_tracker().fork():\n    inside = torch.rand(4)\n"
+        "rest = torch.rand(4)\n"
+        "assert torch.equal(first, plain) and torch.equal(rest, after)\n"
+        "assert not torch.equal(inside, after)\n"
+        "gen = torch.Generator().manual_seed(5 + 2718); expected = torch.rand(4, generator=gen)\n"
+        "assert torch.equal(inside, expected), (inside, expected)\n"
+        "assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())\n"
+        "print('ok')\n"
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_layer_does_not_change_numerics():
+    """What unpatched megatron-core can run on a CPU-only torch (the dense MLP) is bit-identical."""
+    results = []
+    for use_layer in ("0", "1"):
+        proc = subprocess.run([sys.executable, PROBE, use_layer, str(free_port()), "0"], capture_output=True,
+                              text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert results[0] == results[1]
+    assert results[0]["grads"], "the probe produced no gradients"
+
+
+def test_grouped_gemm_fallback_matches_per_expert_matmul():
+    from mindspeed_proxy.patches.cpu_transfer import CPUGroupedGemmOps
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    b = torch.randn(3, 6, 5, generator=gen, dtype=torch.float64)
+    sizes = torch.tensor([4, 0, 6])
+    out = CPUGroupedGemmOps.gmm(a, b, sizes)
+    expected = torch.cat([a[:4] @ b[0], a[4:10] @ b[2]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out_t = CPUGroupedGemmOps.gmm(a, b.transpose(1, 2).contiguous(), sizes, trans_b=True)
+    torch.testing.assert_close(out_t, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_registry_refuses_unsupported_megatron_version():
+    from mindspeed_proxy.patches import registry
+
+    registry.register(registry.Patch("math:tau", lambda orig: orig, "test-version-gate", versions="<0.1"))
+    with pytest.raises(registry.UnsupportedVersionError) as info:
+        registry.apply_feature("test-version-gate")
+    message = str(info.value)
+    assert "\n" not in message and "math:tau" in message and str(registry.megatron_core_version()) in message

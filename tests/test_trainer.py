@@ -1,0 +1,113 @@
+"""The example trainer end to end: real megatron-core, embedded corpus, both checkpoint formats, bad input."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.training.loop import train
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "examples" / "train_moe.py")
+SMALL = ["--num-layers", "2", "--log-interval", "5", "--lr-warmup-iters", "2"]
+
+
+def steps(log_dir):
+    """Step records of a run's metrics.jsonl, by iteration."""
+    records = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))]
+    assert records[0]["type"] == "args"
+    return {r["iteration"]: r for r in records[1:]}
+
+
+def test_loss_decreases_on_embedded_corpus(tmp_path):
+    run_distributed(train, 2, SMALL + ["--expert-model-parallel-size", "2", "--train-iters", "20",
+                                       "--log-dir", str(tmp_path)])
+    log = steps(tmp_path)
+    assert sorted(log) == list(range(1, 21))
+    for record in log.values():
+        assert {"iteration", "loss", "grad_norm", "lr", "tokens_per_s"} <= set(record)
+    first = sum(log[i]["loss"] for i in range(1, 6)) / 5
+    last = sum(log[i]["loss"] for i in range(16, 21)) / 5
+    assert last < first - 0.3, (first, last)
+
+
+@pytest.mark.parametrize("fmt,dist_opt", [("torch", False), ("torch", True), ("torch_dist", True),
+                                          ("torch_dist", False)])
+def test_resume_equals_uninterrupted(tmp_path, fmt, dist_opt):
+    extra = SMALL + ["--expert-model-parallel-size", "2", "--ckpt-format", fmt, "--train-iters", "20"]
+    extra += ["--use-distributed-optimizer"] if dist_opt else []
+    full = tmp_path / "full"
+    run_distributed(train, 2, extra + ["--save", str(full), "--save-interval", "10",
+                                       "--log-dir", str(full / "logs")])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("iter_0000020", "logs"))
+    (resumed / "latest_checkpointed_iteration.txt").write_text("10")
+    run_distributed(train, 2, extra + ["--load", str(resumed), "--log-dir", str(resumed / "logs")])
+    a, b = steps(full / "logs"), steps(resumed / "logs")
+    assert sorted(b) == list(range(11, 21))
+    for it in range(11, 21):  # fp32 and a deterministic data order: bit-identical
+        assert b[it]["loss"] == a[it]["loss"], it
+        assert b[it]["grad_norm"] == a[it]["grad_norm"], it
+
+
+LEGACY_KEYS = {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+               "rng_state", "num_floating_point_operations_so_far"}
+
+
+@pytest.mark.parametrize("tp,ep,folders", [
+    (1, 2, {"mp_rank_00_000", "mp_rank_00_001"}),
+    (2, 1, {"mp_rank_00", "mp_rank_01"}),
+])
+def test_legacy_layout_matches_megatron_lm(tmp_path, tp, ep, folders):
+    run_distributed(train, 2, SMALL + ["--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size",
+                                       str(ep), "--train-iters", "3", "--ckpt-format", "torch",
+                                       "--save", str(tmp_path)])
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
+    iter_dir = tmp_path / "iter_0000003"
+    assert {p.name for p in iter_dir.iterdir()} == folders
+    for folder in folders:
+        assert {p.name for p in (iter_dir / folder).iterdir()} == {"model_optim_rng.pt"}
+        state = safe_torch_load(str(iter_dir / folder / "model_optim_rng.pt"))
+        assert set(state) == LEGACY_KEYS
+        assert state["checkpoint_version"] == 3.0 and state["iteration"] == 3
+        args = state["args"]
+        assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (tp, ep)
+        assert args.num_experts == 8 and args.world_size == 2
+        assert isinstance(state["rng_state"], list) and "rng_tracker_states" in state["rng_state"][0]
+        experts = [k for k in state["model"] if ".local_experts." in k and k.endswith("linear_fc1.weight")]
+        assert len(experts) == 2 * 8 // ep  # 2 MoE layers x local experts of this EP rank
+
+
+def _garbage_dataset(tmp_path):
+    prefix = tmp_path / "garbage"
+    (tmp_path / "garbage.idx").write_bytes(os.urandom(512))
+    (tmp_path / "garbage.bin").write_bytes(os.urandom(512))
+    return str(prefix)
+
+
+@pytest.mark.parametrize("case", ["ep-does-not-divide", "missing-load", "not-a-dataset"])
+def test_bad_input_one_error_line_nothing_written(tmp_path, case):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    save = tmp_path / "out"
+    flags = {
+        "ep-does-not-divide": ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+        "missing-load": ["--load", str(tmp_path / "does-not-exist")],
+        "not-a-dataset": ["--data-path", _garbage_dataset(tmp_path)],
+    }[case]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, TRAIN, *flags, "--save", str(save)], cwd=work,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train_moe.py: error: "), proc.stderr
+    expected = {"ep-does-not-divide": "--expert-model-parallel-size 4", "missing-load": "does-not-exist",
+                "not-a-dataset": "garbage"}[case]
+    assert expected in lines[0]
+    assert not save.exists() and list(work.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
