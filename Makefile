@@ -1,0 +1,28 @@
+# Set-up and the two README commands. Re-running when set up costs seconds (the stamp is up to date).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mindspeed-proxy-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean-venv
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# the CPU build of torch 2.13.0 lies on local disk; megatron-core 0.16.1 is the newest for Python 3.11
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check megatron-core==0.16.1
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,report,proxy]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_moe.py --expert-model-parallel-size 2 \
+	    --train-iters 300 --log-interval 25 --save runs/demo/ckpt --save-interval 300 --ckpt-format torch
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean-venv:
+	rm -rf $(VENV)
