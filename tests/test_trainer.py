@@ -111,3 +111,28 @@ def test_bad_input_one_error_line_nothing_written(tmp_path, case):
     assert expected in lines[0]
     assert not save.exists() and list(work.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_torch_dist_saved_at_ep2_loads_at_ep1_and_finetune_loads_weights(tmp_path, capfd):
+    """dist_checkpointing reshards the model from EP=2 to EP=1; optimizer state needs --no-load-optim."""
+    base = SMALL + ["--ckpt-format", "torch_dist", "--train-iters", "12"]
+    full = tmp_path / "ep2"
+    run_distributed(train, 2, base + ["--expert-model-parallel-size", "2", "--save", str(full),
+                                      "--save-interval", "10", "--log-dir", str(full / "logs")])
+    (full / "latest_checkpointed_iteration.txt").write_text("10")
+    with pytest.raises(Exception, match="SystemExit: 2"):
+        run_distributed(train, 1, base + ["--load", str(full), "--log-dir", str(tmp_path / "refused")])
+    assert "optimizer state cannot be resharded: add --no-load-optim" in capfd.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    run_distributed(train, 1, base + ["--load", str(full), "--no-load-optim", "--log-dir", str(tmp_path / "ep1")])
+    a, b = steps(full / "logs"), steps(tmp_path / "ep1")
+    assert sorted(b) == [11, 12]
+    # step 11's forward/backward uses only the loaded weights: equal within fp32 round-off
+    assert b[11]["loss"] == pytest.approx(a[11]["loss"], rel=1e-5)
+    assert b[11]["grad_norm"] == pytest.approx(a[11]["grad_norm"], rel=1e-5)
+    run_distributed(train, 1, base + ["--load", str(full), "--finetune", "--no-load-optim", "--no-load-rng",
+                                      "--train-iters", "3", "--log-dir", str(tmp_path / "ft")])
+    fresh = steps(full / "logs")[1]["loss"]
+    tuned = steps(tmp_path / "ft")
+    assert sorted(tuned) == [1, 2, 3]
+    assert tuned[1]["loss"] < fresh - 0.5, (tuned[1]["loss"], fresh)

@@ -12,6 +12,7 @@ from mindspeed_proxy.monitor.spectral import compute_dtype
 _TOKENS, _ENTROPY, _MARGIN, _LOAD = 0, 1, 2, 3
 
 
+@torch.no_grad()
 def router_weight_stats(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Similarity S, conditioning ratio ε and row-norm stats of router weights [..., E, H] (fp32 or better).
 
@@ -75,6 +76,7 @@ class RouterStats:
         """The flat fp32 accumulator (a view: reducing it in place reduces the stats)."""
         return self._buffer.view(-1)
 
+    @torch.no_grad()
     def update(self, layer_index: int, logits: torch.Tensor, topk_indices: Optional[torch.Tensor] = None) -> None:
         """Accumulate one layer's routing: logits [..., E] before top-k; topk_indices [..., k] or a bool routing map [..., E].
 
@@ -174,6 +176,7 @@ def _max_over_mean(load: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, ratio, torch.zeros_like(ratio))
 
 
+@torch.no_grad()
 def winner_persistence(prev_load: torch.Tensor, cur_load: torch.Tensor, top: Optional[int] = None) -> torch.Tensor:
     """Fraction of the top-n most-loaded experts in `cur_load` [..., E] that were also top-n in `prev_load`.
 

@@ -22,6 +22,7 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@torch.no_grad()
 def spectral_stats(
     singular_values: torch.Tensor,
     alpha: float = 2.0,
@@ -41,14 +42,14 @@ def spectral_stats(
     - effective_rank = exp(H) (0 for an all-zero spectrum);  numerical_rank r;
     - stable_rank = Σσ² / σ_max²;  frobenius = sqrt(Σσ²);  top1_energy = σ_max² / Σσ².
 
-    An all-zero spectrum gives 0 for every statistic (no NaN). Non-finite inputs propagate.
+    An all-zero spectrum gives 0 for every statistic (no NaN). A spectrum with a NaN or Inf gives NaN
+    for every float statistic, so the detector's non-finite alert fires.
     """
     s = singular_values.to(compute_dtype(singular_values)).clamp_min(0)
     n = s.shape[-1]
     smax = s.amax(dim=-1, keepdim=True)
-    positive = smax > 0
     # Normalising by σ_max makes σ^α and σ² overflow/underflow-safe and scale-free.
-    sn = torch.where(positive, s / torch.where(positive, smax, torch.ones_like(smax)), torch.zeros_like(s))
+    sn = s / torch.where(smax > 0, smax, torch.ones_like(smax))
 
     if rank is not None:
         order = torch.arange(n, device=s.device)
@@ -75,15 +76,18 @@ def spectral_stats(
     nonzero = energy > 0
     top1 = torch.where(nonzero, 1.0 / torch.where(nonzero, energy, torch.ones_like(energy)),
                        torch.zeros_like(energy))
-    return {
+    stats = {
         "entropy": entropy,
         "normalized_entropy": normalized,
         "effective_rank": effective_rank,
         "stable_rank": energy,
         "frobenius": smax * energy.sqrt(),
         "top1_energy": top1,
-        "numerical_rank": r,
     }
+    finite = torch.isfinite(s).all(dim=-1)
+    stats = {k: torch.where(finite, v, torch.full_like(v, float("nan"))) for k, v in stats.items()}
+    stats["numerical_rank"] = r
+    return stats
 
 
 def _hcat(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -103,6 +107,7 @@ def _factor_pair(wq_old, wk_old, wq_new, wk_new, term):
     raise ValueError(f"term must be one of {TERMS}, got {term!r}")
 
 
+@torch.no_grad()
 def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Singular values of A·Bᵀ (A, B: [..., d, m]) from the m×m core R_A·R_Bᵀ of thin QRs, descending, [..., m].
 
@@ -118,6 +123,7 @@ def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.T
     return sv
 
 
+@torch.no_grad()
 def qk_increment_singular_values(
     wq_old: torch.Tensor,
     wk_old: torch.Tensor,
@@ -138,6 +144,7 @@ def qk_increment_singular_values(
     return lowrank_product_singular_values(a, b)
 
 
+@torch.no_grad()
 def update_singular_values(
     delta: torch.Tensor,
     group=None,

@@ -114,8 +114,12 @@ def save_legacy(root: str, iteration: int, trainer, args) -> str:
     return rank_dir
 
 
-def load_legacy(root: str, trainer, iteration: int | None = None) -> dict:
-    """Load this rank's legacy checkpoint into `trainer`; return the checkpoint's non-tensor fields."""
+def load_legacy(root: str, trainer, iteration: int | None = None, load_optim: bool = True,
+                load_rng: bool = True) -> dict:
+    """Load this rank's legacy checkpoint into `trainer`; return the checkpoint's non-tensor fields.
+
+    `load_optim=False` keeps the fresh optimizer and scheduler (Megatron's --no-load-optim / --finetune);
+    `load_rng=False` keeps this run's RNG state (--no-load-rng)."""
     from megatron.core import parallel_state as ps
 
     iteration = read_tracker(root) if iteration is None else iteration
@@ -131,15 +135,19 @@ def load_legacy(root: str, trainer, iteration: int | None = None) -> dict:
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[_model_key(i, len(chunks))], strict=True)
-    with torch.no_grad():  # main params are leaves that require grad; the load copies into them
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        if trainer.cfg.use_distributed_optimizer:
-            _drop_adam_steps(trainer.optimizer)
-            trainer.optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-            _restore_adam_steps(trainer.optimizer,
-                                _saved_steps(state["optimizer"], len(_chained(trainer.optimizer))))
-    trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
-    set_rng_state(state["rng_state"][0])
+    if load_optim:
+        with torch.no_grad():  # main params are leaves that require grad; the load copies into them
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            if trainer.cfg.use_distributed_optimizer:
+                _drop_adam_steps(trainer.optimizer)
+                trainer.optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+                _restore_adam_steps(trainer.optimizer,
+                                    _saved_steps(state["optimizer"], len(_chained(trainer.optimizer))))
+        trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        trainer.optimizer.reload_model_params()  # fp32 main params from the loaded model weights
+    if load_rng:
+        set_rng_state(state["rng_state"][0])
     return {"iteration": state["iteration"], "args": state["args"]}
 
 
@@ -153,7 +161,7 @@ def _sharding_metadata(trainer) -> dict:
     return metadata
 
 
-def _sharded_state(trainer, is_loading: bool) -> dict:
+def _sharded_state(trainer, is_loading: bool, with_optim: bool = True, with_rng: bool = True) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -162,8 +170,11 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     state = {}
     for i, chunk in enumerate(chunks):
         state[_model_key(i, len(chunks))] = chunk.sharded_state_dict(metadata=metadata)
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                              metadata=metadata)
+    if with_optim:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                                  metadata=metadata)
+    if not with_rng:
+        return state
     pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     dp, dp_rank = (ps.get_data_parallel_world_size(with_context_parallel=True),
@@ -244,8 +255,21 @@ def _drop_adam_steps(optimizer) -> None:
             state.pop("step", None)
 
 
-def load_dist(root: str, trainer, iteration: int | None = None) -> dict:
-    """Load a `torch_dist` checkpoint into `trainer` (any TP/PP/EP it was saved with)."""
+def _saved_layout(args) -> tuple:
+    return (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1),
+            getattr(args, "data_parallel_size", None), getattr(args, "expert_model_parallel_size", 1))
+
+
+def _current_layout() -> tuple:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+
+
+def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool = True,
+              load_rng: bool = True) -> dict:
+    """Load a `torch_dist` checkpoint into `trainer` (any TP/PP/EP it was saved with); flags as load_legacy."""
     from megatron.core import dist_checkpointing
 
     iteration = read_tracker(root) if iteration is None else iteration
@@ -253,19 +277,35 @@ def load_dist(root: str, trainer, iteration: int | None = None) -> dict:
     if not dist_checkpointing.check_is_distributed_checkpoint(folder):
         raise ValueError(f"--load {root}: {folder} is not a torch_dist checkpoint")
     common = dist_checkpointing.load_common_state_dict(folder)
-    _ensure_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), folder)
+    if _saved_layout(common["args"]) != _current_layout():
+        # RNG records are sharded by (PP, TP, DP) and do not map onto another layout (Megatron-LM ignores
+        # them too). Optimizer state does not reshard either: its chained dense/expert structure and the
+        # distributed optimizer's dp_reshardable shards follow the layout. Model weights do reshard.
+        load_rng = False
+        if load_optim:
+            raise ValueError(
+                f"--load {root}: saved with (TP, PP, DP, EP) = {_saved_layout(common['args'])}, running with "
+                f"{_current_layout()}; optimizer state cannot be resharded: add --no-load-optim"
+            )
+    if load_optim:
+        _ensure_optimizer_state(trainer.optimizer)
+    request = _sharded_state(trainer, is_loading=True, with_optim=load_optim, with_rng=load_rng)
+    loaded = dist_checkpointing.load(request, folder)
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
-    with torch.no_grad():  # main params are leaves that require grad; the load copies into them
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
-    if trainer.cfg.use_distributed_optimizer:
-        _restore_adam_steps(trainer.optimizer,
-                            _saved_steps(loaded["optimizer"], len(_chained(trainer.optimizer))))
-    trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
-    rng = loaded["rng_state"]
-    set_rng_state(rng[0] if isinstance(rng, list) else rng)
+    if load_optim:
+        with torch.no_grad():  # main params are leaves that require grad; the load copies into them
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        if trainer.cfg.use_distributed_optimizer:
+            _restore_adam_steps(trainer.optimizer,
+                                _saved_steps(loaded["optimizer"], len(_chained(trainer.optimizer))))
+        trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
+    else:
+        trainer.optimizer.reload_model_params()  # fp32 main params from the loaded model weights
+    if load_rng:
+        rng = loaded["rng_state"]
+        set_rng_state(rng[0] if isinstance(rng, list) else rng)
     return {"iteration": common["iteration"], "args": common["args"]}
 
 

@@ -123,7 +123,13 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     start = 0
     if args.load:
         loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
-        info = loader(args.load, trainer)
+        try:
+            info = loader(args.load, trainer, load_optim=not (args.finetune or args.no_load_optim),
+                          load_rng=not (args.finetune or args.no_load_rng))
+        except ValueError as exc:  # every rank refuses alike; nothing has been written yet
+            if rank0:
+                print(f"{prog}: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
     log_dir = resolve_log_dir(args)

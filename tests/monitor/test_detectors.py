@@ -96,8 +96,10 @@ def test_non_finite_value_alerts_immediately_even_in_warmup(bad):
     assert feed(det, noisy(4, 5)) == []
     alert = det.update(5, bad)
     assert alert is not None and alert["kind"] == "non-finite" and alert["step"] == 5
-    assert feed(det, noisy(5, 100), start=6) == []  # the bad sample did not poison the baseline
+    assert det.update(6, bad) is None  # a run of non-finite samples is one excursion
+    assert feed(det, noisy(5, 100), start=7) == []  # the bad samples did not poison the baseline
     assert det.ready and det.baseline == pytest.approx(5.0, abs=0.05)
+    assert det.update(107, bad)["kind"] == "non-finite"  # re-armed by the finite samples
 
 
 def series_for(key_index, n):

@@ -173,3 +173,12 @@ def test_winner_persistence():
     assert stats.winner_persistence(prev).tolist() == [0.5, 0.0, 0.0]
     with pytest.raises(ValueError):
         winner_persistence(prev, cur, top=5)
+
+
+def test_monitors_never_build_autograd_graphs():
+    logits = torch.randn(12, 4, requires_grad=True)
+    stats = RouterStats(1, 4, 2)
+    stats.update(0, logits * 2)
+    assert stats.as_tensor().grad_fn is None and not stats.as_tensor().requires_grad
+    weight = torch.nn.Parameter(torch.randn(4, 8))
+    assert all(not v.requires_grad for v in router_weight_stats(weight).values())

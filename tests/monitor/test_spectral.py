@@ -219,6 +219,10 @@ def test_spectral_stats_edge_cases_are_finite():
     assert one["entropy"].item() == 0 and one["normalized_entropy"].item() == 0
     assert one["effective_rank"].item() == 1 and one["stable_rank"].item() == 1
     assert one["top1_energy"].item() == 1 and one["frobenius"].item() == 3
+    bad = spectral_stats(torch.tensor([[1.0, float("nan")], [float("inf"), 1.0], [2.0, 1.0]]))
+    for key, value in bad.items():
+        if key != "numerical_rank":
+            assert torch.isnan(value[:2]).all() and torch.isfinite(value[2]), key
     flat = spectral_stats(torch.ones(8, dtype=torch.float64))
     assert flat["normalized_entropy"].item() == pytest.approx(1.0, rel=1e-12)
     assert flat["effective_rank"].item() == pytest.approx(8.0, rel=1e-12)
@@ -250,3 +254,9 @@ def test_qk_increment_accepts_megatron_weight_views():
     for i in range(heads):
         ref = dense_increment_sv(*[v[i] for v in views], "delta2")[: 2 * h]
         assert spectrum_error(got[i], ref) <= 1e-10
+
+
+def test_spectral_functions_do_not_track_gradients():
+    blocks = [torch.nn.Parameter(b) for b in random_blocks(torch.Generator().manual_seed(12), 16, 2)]
+    assert not qk_increment_singular_values(*blocks).requires_grad
+    assert not update_singular_values(blocks[2] - blocks[0]).requires_grad
