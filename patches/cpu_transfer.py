@@ -73,17 +73,7 @@ def _factory(original):
     return wrapper
 
 
-def _tensor_to(original):
-    @functools.wraps(original)
-    def to(self, *args, **kwargs):
-        if args and isinstance(args[0], (int, str, torch.device)) and not isinstance(args[0], bool):
-            args = (cpu_device(args[0]),) + args[1:]
-        return original(self, *args, **_remap_kwargs(kwargs))
-
-    return to
-
-
-def _module_to(original):
+def _to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
         if args and isinstance(args[0], (int, str, torch.device)) and not isinstance(args[0], bool):
@@ -269,9 +259,9 @@ def _register_all() -> None:
     for name in _FACTORIES:
         register(Patch(f"torch:{name}", _factory, FEATURE, versions="", optional=True))
     tensor_rows = [
-        ("Tensor.to", _tensor_to), ("Tensor.cuda", _tensor_cuda), ("Tensor.type", _tensor_type),
+        ("Tensor.to", _to), ("Tensor.cuda", _tensor_cuda), ("Tensor.type", _tensor_type),
         ("Tensor.pin_memory", _tensor_pin_memory), ("nn.Module.cuda", _module_cuda),
-        ("nn.Module.to", _module_to),
+        ("nn.Module.to", _to),
     ] + [(f"Tensor.{n}", _tensor_new) for n in ("new_empty", "new_zeros", "new_ones", "new_full",
                                                 "new_tensor", "new_empty_strided")]
     for attr, build in tensor_rows:
