@@ -28,3 +28,8 @@ __all__ = [
     "update_singular_values",
     "winner_persistence",
 ]
+
+from mindspeed_proxy.monitor.config import MonitorConfig  # noqa: E402
+from mindspeed_proxy.monitor.monitor import MechanismMonitor  # noqa: E402
+
+__all__ += ["MechanismMonitor", "MonitorConfig"]

@@ -165,17 +165,28 @@ def update_singular_values(
     entropy by O(eps). gram_dtype=torch.float64 lowers that floor to ~1.5e-8·σ_max where float64
     is cheap (GPU; not NPU).
     """
-    if parallel_mode not in PARALLEL_MODES:
-        raise ValueError(f"parallel_mode must be one of {PARALLEL_MODES}, got {parallel_mode!r}")
-    dtype = gram_dtype or compute_dtype(delta)
-    x = delta.to(dtype)
-    out_dim, in_dim = x.shape[-2], x.shape[-1]
-    use_in_side = parallel_mode == "column" or (parallel_mode is None and in_dim <= out_dim)
-    gram = x.mT @ x if use_in_side else x @ x.mT
+    gram = update_gram(delta, parallel_mode, gram_dtype)
     if parallel_mode is not None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(gram, op=dist.ReduceOp.SUM, group=group)
-    eig = torch.linalg.eigvalsh(gram)
-    return eig.clamp_min(0).sqrt().flip(-1)
+    return singular_values_from_gram(gram)
+
+
+@torch.no_grad()
+def update_gram(delta: torch.Tensor, parallel_mode: Optional[str] = None,
+                gram_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """This rank's Gram of ΔW [..., out, in]: in×in for "column" shards, out×out for "row", else the small side."""
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel_mode must be one of {PARALLEL_MODES}, got {parallel_mode!r}")
+    x = delta.to(gram_dtype or compute_dtype(delta))
+    out_dim, in_dim = x.shape[-2], x.shape[-1]
+    use_in_side = parallel_mode == "column" or (parallel_mode is None and in_dim <= out_dim)
+    return x.mT @ x if use_in_side else x @ x.mT
+
+
+@torch.no_grad()
+def singular_values_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """Singular values (descending) of the matrix whose (summed) Gram is `gram`."""
+    return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)

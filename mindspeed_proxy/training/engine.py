@@ -139,6 +139,7 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
+        self.monitor = None  # a MechanismMonitor, told after every successful optimizer step
 
     def unwrapped(self) -> list[torch.nn.Module]:
         """The model chunks without DDP / Float16Module wrappers (what checkpoints hold)."""
@@ -146,8 +147,11 @@ class Trainer:
 
         return unwrap_model(self.model)
 
-    def train_step(self, microbatches: list[dict]) -> dict:
-        """One optimizer step over this rank's micro-batches; returns loss, grad_norm, lr, skipped."""
+    def train_step(self, microbatches: list[dict], iteration: Optional[int] = None) -> dict:
+        """One optimizer step over this rank's micro-batches; returns loss, grad_norm, lr, skipped.
+
+        `iteration` is the 1-based number of this step (Megatron's counter after the step); the
+        monitor, if any, is told after a successful step."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -167,6 +171,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
+            if self.monitor is not None and iteration is not None:
+                self.monitor.after_optimizer_step(iteration)
         loss = torch.zeros(1, dtype=torch.float64)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             loss += sum(float(x["lm loss"]) for x in losses) / max(len(losses), 1)

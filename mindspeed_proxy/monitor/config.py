@@ -1,0 +1,100 @@
+"""MonitorConfig: what the mechanism monitor samples, how often, its detector thresholds and its sinks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mindspeed_proxy.monitor.detectors import DetectorConfig
+
+STAT_NAMES = ("entropy", "normalized_entropy", "effective_rank", "stable_rank", "top1_energy", "frobenius")
+ROUTER_TOKEN_METRICS = ("entropy", "normalized_entropy", "load_entropy", "max_over_mean", "dead_experts",
+                        "overload", "margin", "winner_persistence")
+ROUTER_WEIGHT_METRICS = ("similarity", "conditioning_ratio")
+UPDATE_MATRICES = ("linear_qkv", "linear_proj", "router", "experts", "dense_mlp")
+
+
+@dataclass
+class MonitorConfig:
+    """Every knob of the mechanism monitor (JSON/YAML loadable with `from_file`)."""
+
+    interval: int = 100  # spectral sample every `interval` optimizer steps
+    delta: int = 100  # δ: ΔW = W_t − W_{t−δ}; 1 ≤ δ ≤ interval
+    router_interval: int = 1  # router token statistics reduced, logged and tested every N steps
+    layers: Optional[list[int]] = None  # 0-based global layer indices; None = all
+    heads: Optional[list[int]] = None  # global query-head indices for the QK monitor; None = all
+    qk_terms: list[str] = field(default_factory=lambda: ["delta2"])
+    update_matrices: list[str] = field(default_factory=lambda: list(UPDATE_MATRICES))
+    experts_per_layer: int = 2  # ΔW of this many experts per MoE layer, spread over global ids
+    snapshot_on_cpu: bool = False
+    families: list[str] = field(default_factory=lambda: ["attention-spectral", "update-spectral", "router"])
+    detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=10, persistence=2))
+    router_detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=50, persistence=5))
+    detect_metrics: dict[str, list[str]] = field(default_factory=lambda: {
+        "attention-spectral": ["delta2/entropy", "delta2/effective_rank", "delta2/top1_energy"],
+        "update-spectral": ["entropy", "effective_rank", "top1_energy"],
+        "router": ["entropy", "similarity", "max_over_mean"],
+    })
+    output_dir: str = "mechanism_monitor"
+    sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl, csv, tensorboard, wandb
+    log_rank: int = 0  # global rank that writes sinks (all ranks hold identical results)
+    per_head_records: bool = True  # JSONL carries per-head QK statistics, not only layer aggregates
+
+    def __post_init__(self):
+        if isinstance(self.detector, dict):
+            self.detector = DetectorConfig(**self.detector)
+        if isinstance(self.router_detector, dict):
+            self.router_detector = DetectorConfig(**self.router_detector)
+        if self.interval < 1 or not 1 <= self.delta <= self.interval:
+            raise ValueError(f"need interval ≥ 1 and 1 ≤ delta ≤ interval, got interval={self.interval}, "
+                             f"delta={self.delta}")
+        if self.router_interval < 1:
+            raise ValueError(f"router_interval must be ≥ 1, got {self.router_interval}")
+        bad = [t for t in self.qk_terms if t not in ("delta1", "delta2", "delta3")]
+        if bad:
+            raise ValueError(f"qk_terms: unknown {bad}; expected delta1, delta2, delta3")
+        bad = [m for m in self.update_matrices if m not in UPDATE_MATRICES]
+        if bad:
+            raise ValueError(f"update_matrices: unknown {bad}; expected a subset of {list(UPDATE_MATRICES)}")
+        bad = [s for s in self.sinks if s not in ("jsonl", "csv", "tensorboard", "wandb")]
+        if bad:
+            raise ValueError(f"sinks: unknown {bad}; expected jsonl, csv, tensorboard, wandb")
+
+    def snapshot_step(self, step: int) -> bool:
+        """Whether W is snapshotted after optimizer step `step` (so that ΔW spans δ at the sample)."""
+        return (step + self.delta) % self.interval == 0
+
+    def sample_step(self, step: int) -> bool:
+        """Whether the spectral families are sampled after optimizer step `step`."""
+        return step % self.interval == 0 and step >= self.delta
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MonitorConfig":
+        """Build from a dict; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown monitor config keys: {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str) -> "MonitorConfig":
+        """Load a JSON (.json) or YAML (.yaml/.yml) file."""
+        if not os.path.isfile(path):
+            raise ValueError(f"monitor config {path}: no such file")
+        with open(path, encoding="utf-8") as fh:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(fh) or {}
+            else:
+                data = json.load(fh)
+        if not isinstance(data, dict):
+            raise ValueError(f"monitor config {path}: expected a mapping at the top level")
+        return cls.from_dict(data)
