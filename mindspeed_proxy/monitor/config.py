@@ -22,7 +22,7 @@ class MonitorConfig:
 
     interval: int = 100  # spectral sample every `interval` optimizer steps
     delta: int = 100  # δ: ΔW = W_t − W_{t−δ}; 1 ≤ δ ≤ interval
-    router_interval: int = 1  # router token statistics reduced, logged and tested every N steps
+    router_interval: int = 10  # router token statistics accumulate over N steps, then reduce/log/test
     layers: Optional[list[int]] = None  # 0-based global layer indices; None = all
     heads: Optional[list[int]] = None  # global query-head indices for the QK monitor; None = all
     qk_terms: list[str] = field(default_factory=lambda: ["delta2"])

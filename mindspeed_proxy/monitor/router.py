@@ -92,26 +92,24 @@ class RouterStats:
         flat = logits.reshape(-1, num_experts)
         row = self._buffer[layer_index]
         k = self.topk
+        width = min(k + 1, num_experts)
         derive = topk_indices is None
-        entropy_sum = torch.zeros((), dtype=torch.float32, device=row.device)
-        margin_sum = torch.zeros((), dtype=torch.float32, device=row.device)
+        sums = torch.zeros(3, dtype=torch.float32, device=row.device)  # tokens, entropy, margin
+        sums[0] = flat.shape[0]
         for start in range(0, flat.shape[0], self.chunk_size):
             chunk = flat[start:start + self.chunk_size].float()
-            logp = torch.log_softmax(chunk, dim=-1)
-            prob = logp.exp()
-            entropy_sum += torch.where(prob == 0, torch.zeros_like(prob), -prob * logp).sum()  # NaN propagates
-            width = min(k + 1, num_experts)
+            # log p = x - logsumexp(x); clamping -inf keeps 0·log 0 = 0 while NaN still propagates
+            log_p = (chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)).clamp_min(torch.finfo(chunk.dtype).min)
+            entropy = -(log_p.exp() * log_p).sum()
             top = torch.topk(chunk, width, dim=-1)
-            if width > k:
-                margin_sum += (top.values[:, k - 1] - top.values[:, k]).sum()
+            margin = (top.values[:, k - 1] - top.values[:, k]).sum() if width > k else entropy.new_zeros(())
+            sums[1:] += torch.stack([entropy, margin])
             if derive:
                 row[_LOAD:] += torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts).float()
-        row[_TOKENS] += flat.shape[0]
-        row[_ENTROPY] += entropy_sum
-        row[_MARGIN] += margin_sum
+        row[:_LOAD] += sums
         if not derive:
             if topk_indices.dtype == torch.bool:
-                row[_LOAD:] += topk_indices.reshape(-1, num_experts).sum(dim=0).float()
+                row[_LOAD:] += topk_indices.reshape(-1, num_experts).sum(dim=0, dtype=torch.float32)
             else:
                 row[_LOAD:] += torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts).float()
 
