@@ -8,7 +8,6 @@ the world so a failing statistic is disabled on every rank at the same step and 
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from typing import Optional
 
@@ -384,7 +383,3 @@ class MechanismMonitor:
         self.sinks = []
         self.snapshots.clear()
 
-
-def default_output_dir(base: str) -> str:
-    """`base/mechanism_monitor`."""
-    return os.path.join(base, "mechanism_monitor")

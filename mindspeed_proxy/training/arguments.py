@@ -67,7 +67,9 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
                    help="platform (default: MINDSPEED_PROXY_DEVICE, else auto-detect)")
-    return p
+    from mindspeed_proxy.monitor.arguments import add_monitor_arguments
+
+    return add_monitor_arguments(p)
 
 
 def validate_static(args: argparse.Namespace) -> None:

@@ -13,6 +13,15 @@ import torch
 from mindspeed_proxy.training import arguments as A
 
 
+MONITOR_STATE = "mechanism_monitor_state.json"
+
+
+def _active_monitor():
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    return RUNTIME.monitor
+
+
 def _fail(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -108,6 +117,11 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         if args.data_path:
             data.validate_data_prefix(args.data_path)
         load_format = C.checkpoint_format(args.load) if args.load else None
+        monitor_config = None
+        if args.enable_mechanism_monitor:
+            from mindspeed_proxy.monitor.arguments import default_output_dir, monitor_config_from_args
+
+            monitor_config = monitor_config_from_args(args, default_output_dir(resolve_log_dir(args)))
     except ValueError as exc:
         _fail(prog, str(exc))
     try:
@@ -119,7 +133,14 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     train_ds, _ = data.build_gpt_datasets(prefix, args.seq_length, args.seed,
                                           args.train_iters * args.global_batch_size,
                                           cache_dir=args.data_cache_path)
+    if monitor_config is not None:
+        from mindspeed_proxy import patches
+        from mindspeed_proxy.patches.runtime import RUNTIME
+
+        RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
+        patches.apply(monitor_config)
     trainer = Trainer(A.model_config(args), A.train_config(args))
+    monitor = _active_monitor()
     start = 0
     if args.load:
         loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
@@ -132,6 +153,9 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
             raise SystemExit(2) from None
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
+        state_file = os.path.join(C.iteration_dir(args.load, info["iteration"]), MONITOR_STATE)
+        if monitor is not None and not args.finetune and os.path.isfile(state_file):
+            monitor.load_state_dict(json.load(open(state_file, encoding="utf-8")))
     log_dir = resolve_log_dir(args)
     metrics = MetricsWriter(log_dir, args, enabled=rank0)
     saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
@@ -154,7 +178,13 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
                                       seconds * 1000, result, args.global_batch_size, skipped))
         if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
             saver(args.save, step, trainer, args)
+            if monitor is not None and rank0:
+                with open(os.path.join(C.iteration_dir(args.save, step), MONITOR_STATE), "w", encoding="utf-8") as fh:
+                    json.dump(monitor.state_dict(), fh)
             _print_rank0(f" saved {args.ckpt_format} checkpoint at iteration {step} to {args.save}")
     metrics.close()
     _print_rank0(f" metrics written to {metrics.path}")
+    if monitor is not None:
+        _print_rank0(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
+        monitor.close()
     return 0

@@ -1,0 +1,46 @@
+"""The mechanism-monitor command-line flags (Megatron-LM spelling) and the MonitorConfig they describe."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from mindspeed_proxy.monitor.config import MonitorConfig
+
+
+def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add --enable-mechanism-monitor and its companions to `parser`; return it."""
+    group = parser.add_argument_group("mechanism monitor (mindspeed-proxy)")
+    group.add_argument("--enable-mechanism-monitor", action="store_true",
+                       help="sample ΔW / Δ2 spectra and router health and raise mechanism alerts")
+    group.add_argument("--mechanism-monitor-config", default=None, help="MonitorConfig as JSON or YAML")
+    group.add_argument("--mechanism-monitor-interval", type=int, default=None, help="spectral sample interval")
+    group.add_argument("--mechanism-monitor-delta", type=int, default=None, help="δ of ΔW = W_t - W_{t-δ}")
+    group.add_argument("--mechanism-monitor-output", default=None, help="directory of monitor.jsonl")
+    return parser
+
+
+def monitor_config_from_args(args: argparse.Namespace, default_output: str = "mechanism_monitor") -> MonitorConfig:
+    """MonitorConfig from --mechanism-monitor-config overlaid with the explicit flags."""
+    data = (MonitorConfig.from_file(args.mechanism_monitor_config).to_dict()
+            if getattr(args, "mechanism_monitor_config", None) else {})
+    if getattr(args, "mechanism_monitor_interval", None) is not None:
+        data["interval"] = args.mechanism_monitor_interval
+    if getattr(args, "mechanism_monitor_delta", None) is not None:
+        data["delta"] = args.mechanism_monitor_delta
+    interval = data.get("interval", MonitorConfig.interval)
+    if data.get("delta", MonitorConfig.delta) > interval and getattr(args, "mechanism_monitor_delta", None) is None:
+        data["delta"] = interval  # an interval below the default δ brings δ down with it
+    data["output_dir"] = getattr(args, "mechanism_monitor_output", None) or data.get("output_dir") or default_output
+    return MonitorConfig.from_dict(data)
+
+
+def monitor_flags_in(argv: list[str]) -> argparse.Namespace:
+    """Our flags parsed out of any command line (other flags ignored)."""
+    parser = add_monitor_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    args, _ = parser.parse_known_args(argv)
+    return args
+
+
+def default_output_dir(base: str) -> str:
+    """`base/mechanism_monitor`."""
+    return os.path.join(base, "mechanism_monitor")

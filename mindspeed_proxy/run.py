@@ -1,0 +1,44 @@
+"""Launcher: `torchrun ... -m mindspeed_proxy.run SCRIPT.py <its flags> [--enable-mechanism-monitor ...]`.
+
+Applies the mindspeed-proxy patches (the monitor is enabled when --enable-mechanism-monitor is among
+the flags), then runs SCRIPT as `__main__` with the same argv, so an unmodified Megatron-LM /
+MindSpeed-LLM / example script trains with the monitor on. Megatron-LM's own parser learns our flags
+through the patched `parse_args`.
+"""
+import os
+import runpy
+import sys
+
+
+def apply_from_argv(argv: list[str]) -> None:
+    """Apply the patches, enabling the monitor if `argv` carries --enable-mechanism-monitor."""
+    from mindspeed_proxy import patches
+    from mindspeed_proxy.monitor.arguments import monitor_config_from_args, monitor_flags_in
+
+    flags = monitor_flags_in(argv)
+    config = monitor_config_from_args(flags) if flags.enable_mechanism_monitor else None
+    patches.apply(config, enable_monitor=flags.enable_mechanism_monitor)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m mindspeed_proxy.run`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        raise SystemExit(0 if argv else 2)
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"mindspeed_proxy.run: error: {script}: no such script", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        apply_from_argv(argv[1:])
+    except ValueError as exc:
+        print(f"mindspeed_proxy.run: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.argv = [script] + argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Patches that switch the mechanism monitor on inside megatron-core training.
+
+- `get_megatron_optimizer` (megatron-core, and Megatron-LM's imported copy): creates the
+  MechanismMonitor for the model chunks it receives and wraps the returned optimizer's `step` so that
+  each successful step (not one the grad scaler rejected) calls `after_optimizer_step(iteration)`.
+- `TopKRouter.routing`: hands the logits it receives (before top-k) and the routing map it returns to
+  `on_router_logits`. With no active monitor it only returns the original's result.
+- Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them).
+"""
+from __future__ import annotations
+
+import functools
+
+from mindspeed_proxy.patches.registry import Patch, register
+from mindspeed_proxy.patches.runtime import RUNTIME
+
+FEATURE = "mechanism-monitor"
+
+
+def attach_monitor(optimizer, monitor) -> None:
+    """Make `optimizer.step` report each successful step to `monitor` (instance-level, idempotent)."""
+    if getattr(optimizer, "mechanism_monitor", None) is not None:
+        return
+    original_step = optimizer.step
+
+    @functools.wraps(original_step)
+    def step(*args, **kwargs):
+        result = original_step(*args, **kwargs)
+        iteration = RUNTIME.next_iteration()
+        success = result[0] if isinstance(result, tuple) else bool(result)
+        if success:
+            monitor.after_optimizer_step(iteration)
+        return result
+
+    optimizer.step = step
+    optimizer.mechanism_monitor = monitor
+
+
+def get_megatron_optimizer_wrapper(original):
+    """Wrap megatron-core's get_megatron_optimizer to attach the monitor to what it returns."""
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = original(config, model_chunks, *args, **kwargs)
+        if RUNTIME.config is not None:
+            from mindspeed_proxy.monitor import MechanismMonitor
+
+            start = RUNTIME.iteration or 0
+            RUNTIME.monitor = MechanismMonitor(RUNTIME.config, model_chunks, optimizer,
+                                               tensorboard_writer=RUNTIME.tensorboard_writer,
+                                               wandb_writer=RUNTIME.wandb_writer, iteration=start)
+            attach_monitor(optimizer, RUNTIME.monitor)
+        return optimizer
+
+    return get_megatron_optimizer
+
+
+def router_routing_wrapper(original):
+    """Wrap TopKRouter.routing to pass its input logits and output routing map to the monitor."""
+
+    @functools.wraps(original)
+    def routing(self, logits, *args, **kwargs):
+        result = original(self, logits, *args, **kwargs)
+        monitor = RUNTIME.monitor
+        if monitor is not None:
+            monitor.on_router_logits(self.layer_number, logits, result[1])
+        return result
+
+    return routing
+
+
+def parse_args_wrapper(original):
+    """Wrap Megatron-LM's parse_args so its parser also carries our flags."""
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        from mindspeed_proxy.monitor.arguments import add_monitor_arguments
+
+        def provider(parser):
+            parser = extra_args_provider(parser) if extra_args_provider is not None else parser
+            return add_monitor_arguments(parser)
+        return original(extra_args_provider=provider, ignore_unknown_args=ignore_unknown_args)
+
+    return parse_args
+
+
+def register_all() -> None:
+    """Add this feature's rows to the registry table."""
+    rows = [
+        ("megatron.core.optimizer:get_megatron_optimizer", get_megatron_optimizer_wrapper, False),
+        ("megatron.training.training:get_megatron_optimizer", get_megatron_optimizer_wrapper, True),
+        ("megatron.core.transformer.moe.router:TopKRouter.routing", router_routing_wrapper, False),
+        ("megatron.training.arguments:parse_args", parse_args_wrapper, True),
+        ("megatron.training.initialize:parse_args", parse_args_wrapper, True),
+    ]
+    for target, build, optional in rows:
+        register(Patch(target, build, FEATURE, optional=optional,
+                       description=(build.__doc__ or "").strip().splitlines()[0]))

@@ -1,0 +1,140 @@
+"""The monitor patches on real megatron-core: transparent when off, observation-only when on, all entry paths."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing.batches import synthetic_microbatches
+from mindspeed_proxy.testing.init import global_init
+from mindspeed_proxy.testing.parallel import init_parallel
+from mindspeed_proxy.tiny_moe import TinyMoEConfig
+from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 20
+
+
+def train_with(mode, tp=1, ep=1, out_dir=None):
+    """20 steps in a fresh process: 'unpatched', 'patched-off' (patches, monitor off) or 'monitor-on'."""
+    from mindspeed_proxy import patches
+    from mindspeed_proxy.monitor import MonitorConfig
+
+    if mode != "unpatched":
+        config = MonitorConfig(interval=5, delta=2, router_interval=5, output_dir=out_dir or "unused",
+                               sinks=["jsonl"] if out_dir else [])
+        patches.apply(config, enable_monitor=mode == "monitor-on")
+    init_parallel(tp=tp, ep=ep)
+    model_cfg = TinyMoEConfig(num_layers=2, sequence_parallel=tp > 1)
+    train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4)
+    trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=5))
+    out = []
+    for it in range(STEPS):
+        batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64, model_cfg.vocab_size)
+        result = trainer.train_step(batches)
+        out.append((result["loss"], result["grad_norm"]))
+    monitor = patches.active_monitor()
+    sampled = None if monitor is None else sorted(monitor.last)
+    if monitor is not None:
+        monitor.close()
+    return {"steps": out, "sampled": sampled}
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(ep=2), dict(tp=2)], ids=["1rank", "ep2", "tp2-sp"])
+def test_patches_are_bit_transparent(layout):
+    ranks = 2 if layout else 1
+    unpatched = run_distributed(train_with, ranks, "unpatched", **layout)[0]
+    off = run_distributed(train_with, ranks, "patched-off", **layout)[0]
+    on = run_distributed(train_with, ranks, "monitor-on", **layout)[0]
+    assert off["steps"] == unpatched["steps"]  # bit-identical losses and grad norms
+    assert on["steps"] == unpatched["steps"]  # observation only
+    assert off["sampled"] is None
+    assert on["sampled"] == ["attention-spectral", "router", "update-spectral"]
+
+
+def router_logits_seen():
+    """Logits the patched TopKRouter.routing hands over vs a forward-hook recomputation of gating."""
+    from mindspeed_proxy import patches
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    patches.apply({"sinks": [], "router_interval": 1})
+    init_parallel()
+    trainer = Trainer(TinyMoEConfig(num_layers=2), TrainConfig(micro_batch_size=2, global_batch_size=2))
+    seen, reference = [], []
+    monitor = RUNTIME.monitor
+    original = monitor.on_router_logits
+    monitor.on_router_logits = lambda layer, logits, rmap: (seen.append((layer, logits.detach().clone(),
+                                                                         rmap.clone())), original(layer, logits, rmap))
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in trainer.unwrapped()[0].modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(lambda mod, inp, out: reference.append(
+                (mod.layer_number, mod.gating(inp[0]).detach(), out[1].clone())))
+    trainer.train_step(synthetic_microbatches([[0, 1]], 64, 264))
+    assert len(seen) == len(reference) == 2
+    return all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(seen, reference))
+
+
+def test_router_patch_sees_the_routers_own_logits():
+    assert run_distributed(router_logits_seen, 1)[0]
+
+
+def test_launcher_runs_the_example_trainer_with_monitor_flags(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mindspeed_proxy.run",
+           str(REPO / "examples" / "train_moe.py"), "--expert-model-parallel-size", "2", "--num-layers", "2",
+           "--train-iters", "12", "--lr-warmup-iters", "2", "--log-dir", str(tmp_path),
+           "--enable-mechanism-monitor", "--mechanism-monitor-interval", "4", "--mechanism-monitor-delta", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "mechanism_monitor" / "monitor.jsonl")]
+    samples = {(r["family"], r["step"]) for r in records if r["type"] == "sample"}
+    assert {("update-spectral", 4), ("attention-spectral", 8), ("router", 10)} <= samples
+
+
+def test_list_prints_the_registry_table():
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_proxy.patches", "--list"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "megatron.core.transformer.moe.router:TopKRouter.routing" in proc.stdout
+    assert "megatron.core.optimizer:get_megatron_optimizer" in proc.stdout and "applies" in proc.stdout
+
+
+def test_mindspeed_patch_manager_receives_dotted_paths(tmp_path):
+    """A stand-in of MindSpeed's documented patch-manager interface (MindSpeed needs CANN; not installable here)."""
+    pkg = tmp_path / "mindspeed"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "patch_utils.py").write_text(textwrap.dedent("""
+        class MindSpeedPatchesManager:
+            registered = []
+
+            @staticmethod
+            def register_patch(orig_func_name, new_func=None, force_patch=False, create_dummy=False):
+                MindSpeedPatchesManager.registered.append((orig_func_name, new_func.__name__))
+
+            @staticmethod
+            def apply_patches():
+                raise AssertionError("MindSpeed applies its patches itself")
+    """))
+    code = textwrap.dedent("""
+        import json, megatron.core.optimizer as opt
+        before = opt.get_megatron_optimizer
+        import mindspeed_proxy.megatron_adaptor
+        from mindspeed.patch_utils import MindSpeedPatchesManager as pm
+        print(json.dumps({"registered": pm.registered, "untouched": opt.get_megatron_optimizer is before}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, "--enable-mechanism-monitor"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["untouched"]
+    registered = dict(out["registered"])
+    assert registered["megatron.core.optimizer.get_megatron_optimizer"] == "get_megatron_optimizer_wrapper"
+    assert registered["megatron.core.transformer.moe.router.TopKRouter.routing"] == "router_routing_wrapper"
