@@ -17,7 +17,7 @@ def apply_from_argv(argv: list[str]) -> None:
 
     flags = monitor_flags_in(argv)
     config = monitor_config_from_args(flags) if flags.enable_mechanism_monitor else None
-    patches.apply(config, enable_monitor=flags.enable_mechanism_monitor)
+    patches.apply(config, enable_monitor=flags.enable_mechanism_monitor, faults=flags.inject_fault)
 
 
 def main(argv: list[str] | None = None) -> None:

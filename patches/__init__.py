@@ -40,14 +40,18 @@ def register_with_mindspeed(manager, feature: str) -> list[str]:
     return done
 
 
-def apply(config: Optional[Any] = None, enable_monitor: bool = True) -> list[str]:
-    """Install the monitor patches once; with `enable_monitor`, monitor every optimizer built afterwards.
+def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) -> list[str]:
+    """Install the patches once; with `enable_monitor`, monitor every optimizer built afterwards.
 
-    `config` is a MonitorConfig, a dict, a JSON/YAML path, or None for the defaults.
-    Returns the patched targets (or the dotted paths registered with MindSpeed).
+    `config` is a MonitorConfig, a dict, a JSON/YAML path, or None for the defaults. `faults` are
+    "NAME[:key=value,...]" strings or FaultSpec objects. Returns the patched targets (or the dotted
+    paths registered with MindSpeed).
     """
+    from mindspeed_proxy.faults.spec import FaultSpec, parse_fault
     from mindspeed_proxy.monitor.config import MonitorConfig
-    from mindspeed_proxy.patches import monitor_patches
+    from mindspeed_proxy.patches import fault_patches, monitor_patches
+
+    RUNTIME.faults = [f if isinstance(f, FaultSpec) else parse_fault(f) for f in faults]
 
     if enable_monitor:
         if config is None:
@@ -58,10 +62,15 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True) -> list[str
             config = MonitorConfig.from_dict(config)
         RUNTIME.config = config
     monitor_patches.register_all()
+    features = [monitor_patches.FEATURE]
+    if RUNTIME.faults:
+        fault_patches.register_all()
+        features.append(fault_patches.FEATURE)
     manager = _mindspeed_manager()
-    if manager is not None:
-        return register_with_mindspeed(manager, monitor_patches.FEATURE)
-    return apply_feature(monitor_patches.FEATURE)
+    done = []
+    for feature in features:
+        done += register_with_mindspeed(manager, feature) if manager is not None else apply_feature(feature)
+    return done
 
 
 def active_monitor():

@@ -18,8 +18,8 @@ FEATURE = "mechanism-monitor"
 
 
 def attach_monitor(optimizer, monitor) -> None:
-    """Make `optimizer.step` report each successful step to `monitor` (instance-level, idempotent)."""
-    if getattr(optimizer, "mechanism_monitor", None) is not None:
+    """Make `optimizer.step` count steps and report each successful one to `monitor` (may be None)."""
+    if getattr(optimizer, "_mindspeed_proxy_step", False):
         return
     original_step = optimizer.step
 
@@ -28,16 +28,17 @@ def attach_monitor(optimizer, monitor) -> None:
         result = original_step(*args, **kwargs)
         iteration = RUNTIME.next_iteration()
         success = result[0] if isinstance(result, tuple) else bool(result)
-        if success:
+        if success and monitor is not None:
             monitor.after_optimizer_step(iteration)
         return result
 
     optimizer.step = step
+    optimizer._mindspeed_proxy_step = True
     optimizer.mechanism_monitor = monitor
 
 
 def get_megatron_optimizer_wrapper(original):
-    """Wrap megatron-core's get_megatron_optimizer to attach the monitor to what it returns."""
+    """Wrap megatron-core's get_megatron_optimizer to count steps and attach the monitor."""
 
     @functools.wraps(original)
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
@@ -45,10 +46,13 @@ def get_megatron_optimizer_wrapper(original):
         if RUNTIME.config is not None:
             from mindspeed_proxy.monitor import MechanismMonitor
 
-            start = RUNTIME.iteration or 0
             RUNTIME.monitor = MechanismMonitor(RUNTIME.config, model_chunks, optimizer,
                                                tensorboard_writer=RUNTIME.tensorboard_writer,
-                                               wandb_writer=RUNTIME.wandb_writer, iteration=start)
+                                               wandb_writer=RUNTIME.wandb_writer, iteration=RUNTIME.iteration or 0)
+            if RUNTIME.faults:
+                RUNTIME.monitor.log_record({"type": "faults", "faults": [
+                    {"name": f.name, **f.params} for f in RUNTIME.faults]})
+        if RUNTIME.config is not None or RUNTIME.faults:
             attach_monitor(optimizer, RUNTIME.monitor)
         return optimizer
 

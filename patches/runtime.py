@@ -11,6 +11,7 @@ class MonitorRuntime:
         self.config = None  # MonitorConfig when the monitor is enabled, else None
         self.monitor = None  # the MechanismMonitor of this process, once an optimizer exists
         self.iteration: Optional[int] = None  # steps taken so far (None: ask Megatron-LM's args)
+        self.faults: list = []  # FaultSpec of every active fault injector
         self.tensorboard_writer = None
         self.wandb_writer = None
 

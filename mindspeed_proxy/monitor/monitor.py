@@ -357,6 +357,10 @@ class MechanismMonitor:
         for sink in self.sinks:
             sink.scalars(iteration, tags)
 
+    def log_record(self, record: dict) -> None:
+        """Write a caller's record (e.g. the injected faults) to the sinks of the logging rank."""
+        self._emit(record)
+
     def _emit(self, record: dict) -> None:
         for sink in self.sinks:
             sink.write(record)

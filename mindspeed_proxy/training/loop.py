@@ -118,6 +118,11 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
             data.validate_data_prefix(args.data_path)
         load_format = C.checkpoint_format(args.load) if args.load else None
         monitor_config = None
+        if args.inject_fault:
+            from mindspeed_proxy.faults.spec import parse_fault
+
+            for text in args.inject_fault:
+                parse_fault(text)
         if args.enable_mechanism_monitor:
             from mindspeed_proxy.monitor.arguments import default_output_dir, monitor_config_from_args
 
@@ -133,12 +138,12 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     train_ds, _ = data.build_gpt_datasets(prefix, args.seq_length, args.seed,
                                           args.train_iters * args.global_batch_size,
                                           cache_dir=args.data_cache_path)
-    if monitor_config is not None:
+    if monitor_config is not None or args.inject_fault:
         from mindspeed_proxy import patches
         from mindspeed_proxy.patches.runtime import RUNTIME
 
         RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
-        patches.apply(monitor_config)
+        patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     trainer = Trainer(A.model_config(args), A.train_config(args))
     monitor = _active_monitor()
     start = 0

@@ -1,0 +1,51 @@
+"""`--inject-fault NAME[:key=value,...]`: parsing and validation of fault specifications."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# name -> {key: (type, default)}; `start` is the first optimizer step (1-based) the fault acts on
+FAULTS: dict[str, dict[str, tuple[type, Any]]] = {
+    "lr-spike": {"start": (int, 1), "x": (float, 10.0)},
+    "router-bf16": {"start": (int, 1)},
+    "grad-overflow": {"start": (int, 1), "param": (str, "router"), "value": (str, "inf")},
+}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault injector and its parameters."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+
+    def __getitem__(self, key: str):
+        return self.params[key]
+
+    def active(self, step: int) -> bool:
+        """Whether the fault acts on optimizer step `step` (1-based)."""
+        return step >= self.params["start"]
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse "NAME[:key=value,...]"; ValueError names the bad part and the known names/keys."""
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if name not in FAULTS:
+        raise ValueError(f"--inject-fault {text!r}: unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    schema = FAULTS[name]
+    params = {key: default for key, (_, default) in schema.items()}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in schema:
+            raise ValueError(f"--inject-fault {text!r}: bad parameter {item!r}; {name} takes "
+                             f"{', '.join(f'{k}=' for k in schema)}")
+        try:
+            params[key] = schema[key][0](value)
+        except ValueError:
+            raise ValueError(f"--inject-fault {text!r}: {key}={value!r} is not a {schema[key][0].__name__}") from None
+    if params["start"] < 1:
+        raise ValueError(f"--inject-fault {text!r}: start must be >= 1")
+    if name == "grad-overflow" and params["value"] not in ("inf", "nan"):
+        raise ValueError(f"--inject-fault {text!r}: value must be inf or nan")
+    return FaultSpec(name, params)

@@ -1,0 +1,71 @@
+"""Fault injectors inside real megatron-core training: untouched before `start`, the intended change after."""
+import math
+
+import pytest
+
+from mindspeed_proxy.faults.spec import parse_fault
+from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing.batches import synthetic_microbatches
+from mindspeed_proxy.testing.init import global_init
+from mindspeed_proxy.testing.parallel import init_parallel
+from mindspeed_proxy.tiny_moe import TinyMoEConfig
+from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
+
+STEPS = 8
+
+
+def run_with_faults(faults, ep=1):
+    """Train STEPS steps with `faults` injected; return loss, grad norm and applied lr per step."""
+    from mindspeed_proxy import patches
+
+    if faults:
+        patches.apply(None, enable_monitor=False, faults=faults)
+    init_parallel(ep=ep)
+    model_cfg = TinyMoEConfig(num_layers=2)
+    train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4, lr=1e-3)
+    trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=9))
+    out = []
+    for it in range(STEPS):
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        result = trainer.train_step(synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64, 264))
+        out.append({"loss": result["loss"], "grad_norm": result["grad_norm"], "lr_used": lr})
+    return out
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return run_distributed(run_with_faults, 1, [])[0]
+
+
+def test_lr_spike_multiplies_lr_from_start_only(healthy):
+    spiked = run_distributed(run_with_faults, 1, ["lr-spike:start=4,x=20"])[0]
+    for step in range(STEPS):  # step index i is optimizer step i + 1
+        ratio = spiked[step]["lr_used"] / healthy[step]["lr_used"]
+        assert ratio == pytest.approx(20.0 if step + 1 >= 4 else 1.0), step
+    assert [s["loss"] for s in spiked[:4]] == [s["loss"] for s in healthy[:4]]  # steps 1-4 use pre-spike weights
+    assert spiked[5]["loss"] != healthy[5]["loss"]
+
+
+def test_router_bf16_changes_training_from_start_only(healthy):
+    faulty = run_distributed(run_with_faults, 1, ["router-bf16:start=3"])[0]
+    assert [s["loss"] for s in faulty[:2]] == [s["loss"] for s in healthy[:2]]
+    assert faulty[2]["loss"] != healthy[2]["loss"]  # the step-3 forward already routes on bf16 logits
+    assert abs(faulty[2]["loss"] - healthy[2]["loss"]) < 1e-2  # a rounding-size change, not a different model
+
+
+def test_grad_overflow_poisons_the_chosen_step_at_ep2(healthy):
+    runs = run_distributed(run_with_faults, 2, ["grad-overflow:start=5,param=router,value=nan"], ep=2)
+    for faulty in runs:
+        assert [s["grad_norm"] for s in faulty[:4]] == pytest.approx([s["grad_norm"] for s in healthy[:4]], rel=1e-5)
+        assert not math.isfinite(faulty[4]["grad_norm"])
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lr-boost", "unknown fault 'lr-boost'"),
+    ("lr-spike:x", "bad parameter 'x'"),
+    ("lr-spike:x=big", "x='big' is not a float"),
+    ("grad-overflow:value=zero", "value must be inf or nan"),
+])
+def test_bad_fault_specs_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_fault(text)
