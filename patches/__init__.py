@@ -66,6 +66,8 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) 
     if RUNTIME.faults:
         fault_patches.register_all()
         features.append(fault_patches.FEATURE)
+        if any(f.name == "lowp-attention" for f in RUNTIME.faults):
+            features.append(fault_patches.LOWP_FEATURE)
     manager = _mindspeed_manager()
     done = []
     for feature in features:

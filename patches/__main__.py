@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from mindspeed_proxy.patches import cpu_transfer, monitor_patches
+from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches
 from mindspeed_proxy.patches.registry import applies, megatron_core_version, resolve, table
 
 
@@ -16,6 +16,7 @@ def main(argv=None) -> int:
         return 0
     cpu_transfer._register_all()
     monitor_patches.register_all()
+    fault_patches.register_all()
     version = megatron_core_version()
     print(f"megatron-core {version}")
     print(f"{'feature':<18} {'target':<62} {'versions':<16} {'status'}")

@@ -2,8 +2,14 @@
 
 - `lr-spike`: OptimizerParamScheduler.get_lr × x for the steps >= start.
 - `router-bf16`: TopKRouter.gating's logits rounded through bf16 (instead of the fp32 router).
+- `small-gbs`: megatron's micro-batch calculator reports global batch `gbs` (fewer micro-batches per
+  DP rank) for the steps >= start; Megatron-LM's loop and our trainer size each step by it.
 - `grad-overflow`: after Megatron's finalize_model_grads, the first gradient element of the first
   parameter whose name contains `param` becomes inf/nan at step `start` (once).
+- `lowp-attention`: megatron-core's DotProductAttention computes through the tiled FlashAttention-2
+  emulator of mindspeed_proxy.faults.lowp_attention (low-precision P̄ / P̄V rounding) for the steps
+  >= start; installed only when this fault is requested. Causal or maskless attention without
+  attention bias or packed sequences; the emulation has no attention dropout.
 The step count comes from the optimizer-step counter of the patched get_megatron_optimizer.
 """
 from __future__ import annotations
@@ -16,6 +22,7 @@ from mindspeed_proxy.patches.registry import Patch, register
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 FEATURE = "fault-injection"
+LOWP_FEATURE = "fault-lowp-attention"
 
 
 def _fault(name: str):
@@ -52,6 +59,42 @@ def gating_wrapper(original):
     return gating
 
 
+def _small_gbs():
+    fault = _fault("small-gbs")
+    return fault if fault is not None and fault.active(_upcoming_step()) else None
+
+
+def get_num_microbatches_wrapper(original):
+    """Fewer micro-batches per DP rank from step `start` (small-gbs)."""
+
+    @functools.wraps(original)
+    def get_num_microbatches():
+        num = original()
+        fault = _small_gbs()
+        if fault is None:
+            return num
+        from megatron.core import num_microbatches_calculator as nmc
+
+        per_microbatch = nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR.current_global_batch_size // num
+        if fault["gbs"] % per_microbatch:
+            raise ValueError(f"small-gbs: gbs={fault['gbs']} is not a multiple of micro-batch x data-parallel "
+                             f"size = {per_microbatch}")
+        return fault["gbs"] // per_microbatch
+
+    return get_num_microbatches
+
+
+def get_current_global_batch_size_wrapper(original):
+    """The reduced global batch from step `start` (small-gbs)."""
+
+    @functools.wraps(original)
+    def get_current_global_batch_size():
+        fault = _small_gbs()
+        return original() if fault is None else fault["gbs"]
+
+    return get_current_global_batch_size
+
+
 def finalize_model_grads_wrapper(original):
     """Poison one gradient element at step `start` after gradient reduction (grad-overflow)."""
 
@@ -73,6 +116,41 @@ def finalize_model_grads_wrapper(original):
     return finalize_model_grads
 
 
+def core_attention_forward_wrapper(original):
+    """Route DotProductAttention through the low-precision FA2 emulator from step `start` (lowp-attention)."""
+
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        fault = _fault("lowp-attention")
+        args = (query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        if fault is None or not fault.active(_upcoming_step()) or attention_bias is not None \
+                or packed_seq_params is not None:
+            return original(self, *args)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from mindspeed_proxy.faults.lowp_attention import lowp_attention
+
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        if not causal and attention_mask is not None:
+            return original(self, *args)  # padding masks are not emulated
+        if self.training and self.config.attention_dropout > 0:
+            raise ValueError("lowp-attention emulates attention without dropout; set attention_dropout=0")
+        if getattr(self, "_lowp_generator", None) is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._lowp_generator = torch.Generator(device=query.device).manual_seed(fault["seed"] * 65537 + rank)
+        bits = fault["bits"] or fault["format"]
+        out = lowp_attention(query, key, value, causal=causal, scale=self.softmax_scale, block_q=fault["block"],
+                             block_k=fault["block"], mantissa_bits=bits, rounding=fault["rounding"],
+                             round_targets=tuple(fault["targets"].split("+")), generator=self._lowp_generator)
+        return out
+
+    return forward
+
+
 def register_all() -> None:
     """Add this feature's rows to the registry table."""
     rows = [
@@ -81,7 +159,15 @@ def register_all() -> None:
         ("megatron.core.distributed.finalize_model_grads:finalize_model_grads", finalize_model_grads_wrapper, False),
         ("megatron.core.distributed:finalize_model_grads", finalize_model_grads_wrapper, True),
         ("megatron.training.training:finalize_model_grads", finalize_model_grads_wrapper, True),
+        ("megatron.core.num_microbatches_calculator:get_num_microbatches", get_num_microbatches_wrapper, False),
+        ("megatron.core.num_microbatches_calculator:get_current_global_batch_size",
+         get_current_global_batch_size_wrapper, False),
+        ("megatron.training.training:get_num_microbatches", get_num_microbatches_wrapper, True),
+        ("megatron.training.training:get_current_global_batch_size", get_current_global_batch_size_wrapper, True),
     ]
     for target, build, optional in rows:
         register(Patch(target, build, FEATURE, optional=optional,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
+    register(Patch("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+                   core_attention_forward_wrapper, LOWP_FEATURE,
+                   description=core_attention_forward_wrapper.__doc__.strip().splitlines()[0]))

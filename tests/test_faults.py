@@ -6,7 +6,7 @@ import pytest
 from mindspeed_proxy.faults.spec import parse_fault
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.testing.batches import synthetic_microbatches
-from mindspeed_proxy.testing.init import global_init
+from mindspeed_proxy.layout_init import global_init
 from mindspeed_proxy.testing.parallel import init_parallel
 from mindspeed_proxy.tiny_moe import TinyMoEConfig
 from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
@@ -69,3 +69,54 @@ def test_grad_overflow_poisons_the_chosen_step_at_ep2(healthy):
 def test_bad_fault_specs_are_named(text, message):
     with pytest.raises(ValueError, match=message):
         parse_fault(text)
+
+
+def test_small_gbs_halves_the_batch_from_start(healthy):
+    small = run_distributed(run_with_faults, 1, ["small-gbs:start=5,gbs=2"])[0]
+    assert [s["loss"] for s in small[:4]] == [s["loss"] for s in healthy[:4]]
+    assert small[4]["loss"] != healthy[4]["loss"]  # step 5 trains on 2 samples instead of 4
+    # a 2-sample batch is the first micro-batch of the healthy window: its gradient is noisier
+    assert small[4]["grad_norm"] != pytest.approx(healthy[4]["grad_norm"], rel=1e-3)
+
+
+def core_attention_fp32_matches_megatron():
+    """Megatron's DotProductAttention vs the same module routed through the emulator at fp32."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed_proxy import patches
+    from mindspeed_proxy.tiny_moe import transformer_config
+
+    init_parallel()
+    config = transformer_config(TinyMoEConfig(num_layers=1, num_attention_heads=4, num_query_groups=2))
+    attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(37, 2, 4, 16, generator=gen, requires_grad=True)
+    k = torch.randn(37, 2, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(37, 2, 2, 16, generator=gen, requires_grad=True)
+    dout = torch.randn(37, 2, 64, generator=gen)
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        out = attention(q, k, v, None)
+        out.backward(dout)
+        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+
+    reference = run()
+    patches.apply(None, enable_monitor=False, faults=["lowp-attention:format=fp32,block=16"])
+    emulated = run()
+    return [float((a - b).abs().max()) for a, b in zip(reference, emulated)]
+
+
+def test_lowp_attention_at_fp32_equals_megatron_attention():
+    errors = run_distributed(core_attention_fp32_matches_megatron, 1)[0]
+    assert max(errors) <= 1e-6, errors  # output, dQ, dK, dV
+
+
+def test_lowp_attention_changes_training_from_start_only(healthy):
+    faulty = run_distributed(run_with_faults, 1, ["lowp-attention:start=4,bits=3"])[0]
+    assert [s["loss"] for s in faulty[:3]] == [s["loss"] for s in healthy[:3]]
+    assert faulty[3]["loss"] != healthy[3]["loss"]

@@ -11,7 +11,7 @@ import torch
 
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.testing.batches import synthetic_microbatches
-from mindspeed_proxy.testing.init import global_init
+from mindspeed_proxy.layout_init import global_init
 from mindspeed_proxy.testing.parallel import init_parallel
 from mindspeed_proxy.tiny_moe import TinyMoEConfig
 from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids

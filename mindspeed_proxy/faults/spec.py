@@ -8,6 +8,10 @@ from typing import Any
 FAULTS: dict[str, dict[str, tuple[type, Any]]] = {
     "lr-spike": {"start": (int, 1), "x": (float, 10.0)},
     "router-bf16": {"start": (int, 1)},
+    "small-gbs": {"start": (int, 1), "gbs": (int, 0)},
+    "lowp-attention": {"start": (int, 1), "format": (str, "bf16"), "bits": (int, 0),
+                       "rounding": (str, "nearest-even"), "targets": (str, "p+pv"), "block": (int, 64),
+                       "seed": (int, 0)},
     "grad-overflow": {"start": (int, 1), "param": (str, "router"), "value": (str, "inf")},
 }
 
@@ -46,6 +50,17 @@ def parse_fault(text: str) -> FaultSpec:
             raise ValueError(f"--inject-fault {text!r}: {key}={value!r} is not a {schema[key][0].__name__}") from None
     if params["start"] < 1:
         raise ValueError(f"--inject-fault {text!r}: start must be >= 1")
+    if name == "small-gbs" and params["gbs"] < 1:
+        raise ValueError(f"--inject-fault {text!r}: small-gbs needs gbs=N (the global batch from `start` on)")
+    if name == "lowp-attention":
+        from mindspeed_proxy.faults.lowp_attention import FORMAT_MANTISSA_BITS, ROUND_TARGETS, ROUNDING_MODES
+
+        bad = [t for t in params["targets"].split("+") if t not in ROUND_TARGETS]
+        if params["format"] not in FORMAT_MANTISSA_BITS or params["rounding"] not in ROUNDING_MODES or bad \
+                or not 0 <= params["bits"] <= 23 or params["block"] < 1:
+            raise ValueError(f"--inject-fault {text!r}: format in {sorted(FORMAT_MANTISSA_BITS)}, bits in 0..23 "
+                             f"(0 = from format), rounding in {list(ROUNDING_MODES)}, targets '+'-joined from "
+                             f"{list(ROUND_TARGETS)}, block >= 1")
     if name == "grad-overflow" and params["value"] not in ("inf", "nan"):
         raise ValueError(f"--inject-fault {text!r}: value must be inf or nan")
     return FaultSpec(name, params)

@@ -17,8 +17,8 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--mechanism-monitor-delta", type=int, default=None, help="δ of ΔW = W_t - W_{t-δ}")
     group.add_argument("--mechanism-monitor-output", default=None, help="directory of monitor.jsonl")
     group.add_argument("--inject-fault", action="append", default=[], metavar="NAME[:key=value,...]",
-                       help="fault injector, repeatable: lr-spike, router-bf16, grad-overflow "
-                            "(see docs/faults.md)")
+                       help="fault injector, repeatable: lowp-attention, lr-spike, small-gbs, router-bf16, "
+                            "grad-overflow (see docs/faults.md)")
     return parser
 
 

@@ -53,7 +53,12 @@ def num_microbatches(cfg: TrainConfig) -> int:
 
 
 def microbatch_sample_ids(cfg: TrainConfig, iteration: int) -> list[list[int]]:
-    """Global sample ids of each micro-batch of this DP rank at `iteration` (Megatron's sampler order)."""
+    """Global sample ids of each micro-batch of this DP rank at `iteration` (Megatron's sampler order).
+
+    Step `iteration` reads the window [iteration·GBS, (iteration+1)·GBS) of the configured global
+    batch; when megatron's micro-batch calculator reports a smaller current global batch (the
+    small-gbs fault), the step takes the first samples of that window, so earlier steps are unchanged.
+    """
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = data_parallel_size(), ps.get_data_parallel_rank()
@@ -61,8 +66,25 @@ def microbatch_sample_ids(cfg: TrainConfig, iteration: int) -> list[list[int]]:
     mbs = cfg.micro_batch_size
     return [
         list(range(start + (m * dp + dp_rank) * mbs, start + (m * dp + dp_rank + 1) * mbs))
-        for m in range(num_microbatches(cfg))
+        for m in range(current_num_microbatches(cfg))
     ]
+
+
+def current_num_microbatches(cfg: TrainConfig) -> int:
+    """Micro-batches of this step, from megatron's calculator (initialised by Trainer)."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    return nmc.get_num_microbatches()
+
+
+def init_microbatch_calculator(cfg: TrainConfig) -> None:
+    """(Re)initialise megatron's global micro-batch calculator for `cfg` (as Megatron-LM does)."""
+    import torch.distributed as dist
+    from megatron.core import num_microbatches_calculator as nmc
+
+    nmc.unset_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(dist.get_rank(), None, cfg.global_batch_size, cfg.micro_batch_size,
+                                         data_parallel_size())
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -89,6 +111,8 @@ class Trainer:
 
     def __init__(self, model_cfg: TinyMoEConfig, train_cfg: TrainConfig,
                  init_fn: Optional[Callable[[torch.nn.Module], None]] = None):
+        """Build model, DDP, optimizer and scheduler; `init_fn(model)` (default: `global_init` by the
+        seed) sets the weights so that every parallel layout starts from the same model."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -97,9 +121,13 @@ class Trainer:
         self.model_cfg, self.cfg = model_cfg, train_cfg
         self.config = transformer_config(model_cfg)
         self.num_microbatches = num_microbatches(train_cfg)
+        init_microbatch_calculator(train_cfg)
         model = build_model(model_cfg, self.config)
-        if init_fn is not None:
-            init_fn(model)
+        if init_fn is None:  # Megatron's CPU init repeats the experts of each EP rank: draw per global name
+            from mindspeed_proxy.layout_init import global_init
+
+            init_fn = lambda m: global_init(m, seed=train_cfg.seed, std=model_cfg.init_method_std)  # noqa: E731
+        init_fn(model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -162,7 +190,7 @@ class Trainer:
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
             model=self.model,
-            num_microbatches=self.num_microbatches,
+            num_microbatches=len(microbatches),
             seq_length=self.model_cfg.seq_length,
             micro_batch_size=self.cfg.micro_batch_size,
             forward_only=False,

@@ -101,7 +101,7 @@ def state_round_trip(steps):
     init_parallel()
     model_cfg, train_cfg = TinyMoEConfig(num_layers=2), TrainConfig(micro_batch_size=2, global_batch_size=4)
     trainer = Trainer(model_cfg, train_cfg)
-    config = MonitorConfig(interval=2, delta=1, sinks=[])
+    config = MonitorConfig(interval=2, delta=1, router_interval=2, sinks=[])
     monitor = MechanismMonitor(config, trainer.model, trainer.optimizer)
     attach_router_hooks(trainer.model, monitor)
     trainer.monitor = monitor

@@ -5,7 +5,7 @@ import torch
 from mindspeed_proxy.monitor.qk_layout import layernorm_scale, layout_of, qk_blocks
 from mindspeed_proxy.monitor.reductions import MonitorGroups, gather_tp
 from mindspeed_proxy.testing import run_distributed
-from mindspeed_proxy.testing.init import global_init
+from mindspeed_proxy.layout_init import global_init
 from mindspeed_proxy.testing.parallel import init_parallel
 from mindspeed_proxy.tiny_moe import TinyMoEConfig, build_model
 

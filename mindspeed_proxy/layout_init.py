@@ -1,12 +1,15 @@
-"""Layout-independent weight initialisation, so models at different TP/EP sizes hold the same weights.
+"""Layout-independent weight initialisation, so models at different TP/EP/PP sizes hold the same weights.
 
-Megatron's CPU initialisation is TP-invariant but not EP-invariant (each EP rank draws its local
-experts from the same generator position). `global_init` draws every logical (global) tensor from a
-generator seeded by (seed, global name) and keeps only this rank's shard, so a model at EP=2/TP=2
-holds exactly the weights of the same model at EP=1/TP=1.
+Megatron's CPU initialisation is TP-invariant but not EP-invariant: every EP rank draws its local
+experts from the same generator position, so expert i and expert i + E/EP start identical.
+`global_init` draws every logical (global) tensor from a generator seeded by (seed, global name) and
+keeps only this rank's shard, so a model at EP=2/TP=2 holds exactly the weights of the same model at
+EP=1/TP=1, with distinct experts. Output projections (linear_proj, fc2) get std / sqrt(2·layers), as
+Megatron's scaled init does.
 """
 from __future__ import annotations
 
+import math
 import re
 import zlib
 
@@ -15,6 +18,7 @@ import torch
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 _GROUPED = re.compile(r"experts\.weight([12])$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight", "experts.weight2")
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -36,6 +40,9 @@ def global_init(model: torch.nn.Module, seed: int = 1234, std: float = 0.02) -> 
     """Re-initialise every >=2-D parameter of `model` from its global name; 1-D params are kept."""
     from megatron.core import parallel_state as ps
 
+    num_layers = _find_decoder(model).config.num_layers
+    scaled_std = std / math.sqrt(2.0 * num_layers)
+
     ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     etp_rank = ps.get_expert_tensor_parallel_rank()
@@ -52,15 +59,16 @@ def global_init(model: torch.nn.Module, seed: int = 1234, std: float = 0.02) -> 
         full_shape = list(param.shape)
         if sharded:
             full_shape[dim] *= world
+        param_std = scaled_std if name.endswith(_OUTPUT_PROJECTIONS) else std
         grouped = _GROUPED.search(name)
         if grouped:
             n_local = _num_local_experts(model, name)
             per_expert = list(full_shape)
             per_expert[dim] //= n_local
             blocks = [
-                _take_shard(_draw(per_expert, seed, f"{name}[{ep_rank * n_local + i}]", std),
+                _take_shard(_draw(per_expert, seed, f"{name}[{ep_rank * n_local + i}]", param_std),
                             dim, stride, rank, world) if sharded
-                else _draw(per_expert, seed, f"{name}[{ep_rank * n_local + i}]", std)
+                else _draw(per_expert, seed, f"{name}[{ep_rank * n_local + i}]", param_std)
                 for i in range(n_local)
             ]
             # GroupedMLP's expert i is weight.view(n, ...)[i]: a memory block, not a column slice.
@@ -71,7 +79,7 @@ def global_init(model: torch.nn.Module, seed: int = 1234, std: float = 0.02) -> 
                 n_local = _num_local_experts(model, name)
                 global_id = ep_rank * n_local + int(match.group(1))
                 name = name.replace(match.group(0), f"local_experts.{global_id}.")
-            value = _draw(full_shape, seed, name, std)
+            value = _draw(full_shape, seed, name, param_std)
             if sharded:
                 value = _take_shard(value, dim, stride, rank, world)
         param.copy_(value.to(param.dtype))

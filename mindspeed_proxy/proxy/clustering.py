@@ -1,0 +1,125 @@
+"""Exactly-K clustering of a layer's experts from their similarity matrix, and the representative rule."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from mindspeed_proxy.proxy.errors import ConversionError
+
+
+def angular_distance(similarity: np.ndarray) -> np.ndarray:
+    """arccos(cosine) / pi in [0, 1], zero diagonal."""
+    dist = np.arccos(np.clip(similarity, -1.0, 1.0)) / np.pi
+    dist = (dist + dist.T) / 2
+    np.fill_diagonal(dist, 0.0)
+    return dist
+
+
+def _canonical(labels: np.ndarray) -> np.ndarray:
+    """Relabel clusters 0..K-1 in order of their smallest member."""
+    order = {}
+    for lab in labels:
+        order.setdefault(int(lab), len(order))
+    return np.array([order[int(lab)] for lab in labels])
+
+
+def agglomerative(dist: np.ndarray, k: int) -> np.ndarray:
+    """Average-linkage clustering cut at exactly `k` clusters (deterministic)."""
+    from scipy.cluster.hierarchy import cut_tree, linkage
+    from scipy.spatial.distance import squareform
+
+    n = dist.shape[0]
+    if k == n:
+        return np.arange(n)
+    if k == 1:
+        return np.zeros(n, dtype=int)
+    tree = linkage(squareform(dist, checks=False), method="average")
+    return _canonical(cut_tree(tree, n_clusters=k).reshape(-1))
+
+
+def kmeans(similarity: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """k-means with `k` clusters on an exact embedding of the similarity (Gram) matrix, seeded."""
+    from sklearn.cluster import KMeans
+
+    values, vectors = np.linalg.eigh(similarity)
+    points = vectors * np.sqrt(np.clip(values, 0.0, None))
+    labels = KMeans(n_clusters=k, random_state=seed, n_init=10).fit(points).labels_
+    if len(set(labels.tolist())) != k:
+        raise ConversionError(f"k-means found {len(set(labels.tolist()))} distinct clusters, not {k} "
+                              "(duplicate experts?); use --cluster agglomerative")
+    return _canonical(labels)
+
+
+def representatives(labels: np.ndarray, dist: np.ndarray, rule: str,
+                    usage: Optional[np.ndarray] = None) -> list[int]:
+    """One member per cluster: the medoid (least total distance) or the most-used member; ties -> lower id."""
+    reps = []
+    for cluster in range(int(labels.max()) + 1):
+        members = np.flatnonzero(labels == cluster)
+        if rule == "usage":
+            if usage is None:
+                raise ConversionError("--representative usage needs expert usage counts (--features FILE or "
+                                      "--calibration-data)")
+            score = -np.asarray(usage, dtype=np.float64)[members]
+        else:
+            score = dist[np.ix_(members, members)].sum(axis=1)
+        reps.append(int(members[np.argmin(score)]))  # argmin returns the first (lowest id) of ties
+    return reps
+
+
+def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative", seed: int = 0,
+                  num_groups: Optional[int] = None, representative: str = "medoid",
+                  usage: Optional[np.ndarray] = None) -> dict:
+    """Labels (per expert), kept ids (sorted) and distance summary for one layer.
+
+    With group-limited routing (`num_groups`) each contiguous group of E/groups experts is clustered
+    into K/groups on its own, so every group keeps the same number of experts."""
+    n = similarity.shape[0]
+    groups = num_groups or 1
+    dist = angular_distance(similarity)
+    labels = np.empty(n, dtype=int)
+    offset = 0
+    size, per = n // groups, k // groups
+    for g in range(groups):
+        idx = np.arange(g * size, (g + 1) * size)
+        sub_sim, sub_dist = similarity[np.ix_(idx, idx)], dist[np.ix_(idx, idx)]
+        sub = agglomerative(sub_dist, per) if method == "agglomerative" else kmeans(sub_sim, per, seed + g)
+        labels[idx] = sub + offset
+        offset += per
+    kept = sorted(representatives(labels, dist, representative, usage))
+    return {"labels": labels.tolist(), "kept": kept, "sizes": np.bincount(labels, minlength=k).tolist(),
+            "distances": _summary(labels, dist, kept)}
+
+
+def random_selection(similarity: np.ndarray, k: int, seed: int, num_groups: Optional[int] = None) -> dict:
+    """Baseline: K/groups experts drawn at random in each group (seeded); others labelled by nearest kept."""
+    n = similarity.shape[0]
+    groups = num_groups or 1
+    size, per = n // groups, k // groups
+    rng = np.random.default_rng(seed)
+    kept = sorted(int(g * size + i) for g in range(groups) for i in rng.choice(size, per, replace=False))
+    return _assign_to_kept(similarity, kept, groups)
+
+
+def _assign_to_kept(similarity: np.ndarray, kept: list, groups: int) -> dict:
+    n = similarity.shape[0]
+    dist = angular_distance(similarity)
+    size = n // groups
+    labels = np.empty(n, dtype=int)
+    for i in range(n):
+        own = [c for c, g in enumerate(kept) if g // size == i // size]
+        labels[i] = own[int(np.argmin(dist[i, [kept[c] for c in own]]))] if i not in kept else kept.index(i)
+    return {"labels": labels.tolist(), "kept": list(kept), "sizes": np.bincount(labels, minlength=len(kept)).tolist(),
+            "distances": _summary(labels, dist, kept)}
+
+
+def _summary(labels: np.ndarray, dist: np.ndarray, kept: list) -> dict:
+    same = labels[:, None] == labels[None, :]
+    off = ~np.eye(len(labels), dtype=bool)
+    intra, inter = dist[same & off], dist[~same]
+    to_rep = [float(dist[i, kept[int(np.flatnonzero(labels[kept] == labels[i])[0])]]) for i in range(len(labels))]
+    return {"mean_intra": float(intra.mean()) if intra.size else 0.0,
+            "max_intra": float(intra.max()) if intra.size else 0.0,
+            "mean_inter": float(inter.mean()) if inter.size else 0.0,
+            "max_to_representative": max(to_rep)}

@@ -1,0 +1,88 @@
+"""Convert a Megatron MoE checkpoint into a proxy: plan, write to a temporary folder, verify, rename."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from typing import Callable, Optional
+
+from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint, resolve_iteration, write_legacy
+from mindspeed_proxy.proxy.manifest import build_manifest, sha256, write_manifest
+from mindspeed_proxy.proxy.plan import Options, describe, launch_flags, make_plan
+from mindspeed_proxy.proxy.verify import verify_legacy
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_paths(load: str, save: Optional[str], overwrite: bool, dry_run: bool) -> None:
+    """Refuse a missing source, OUT_DIR inside CKPT_DIR (or the reverse), an existing OUT_DIR."""
+    if not os.path.isdir(load):
+        raise ConversionError(f"--load {load}: no such directory")
+    if save is None:
+        if not dry_run:
+            raise ConversionError("--save is required unless --dry-run")
+        return
+    if _inside(save, load):
+        raise ConversionError(f"--save {save} is inside --load {load}: the source is never written")
+    if _inside(load, save):
+        raise ConversionError(f"--load {load} is inside --save {save}: writing there could destroy the source")
+    if os.path.exists(save) and not overwrite and not dry_run:
+        raise ConversionError(f"--save {save} already exists (pass --overwrite to replace it)")
+    parent = os.path.dirname(os.path.abspath(save))
+    if not os.path.isdir(parent):
+        raise ConversionError(f"--save {save}: parent folder {parent} does not exist")
+
+
+def open_checkpoint(load: str, iteration: Optional[int]):
+    """The checkpoint reader for the format found under `load`."""
+    _, folder = resolve_iteration(load, iteration)
+    names = os.listdir(folder)
+    if "metadata.json" in names or "common.pt" in names:
+        raise ConversionError(f"--load {load}: torch_dist checkpoints are not supported by this version yet")
+    return LegacyCheckpoint(load, iteration)
+
+
+def _progress(desc: str) -> Callable:
+    def wrap(items):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return items
+        return tqdm(items, desc=desc, unit="layer", file=sys.stderr, disable=not sys.stderr.isatty())
+    return wrap
+
+
+def convert(load: str, save: Optional[str], options: Options, iteration: Optional[int] = None,
+            dry_run: bool = False, overwrite: bool = False, echo: Callable = print):
+    """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input."""
+    check_paths(load, save, overwrite, dry_run)
+    ckpt = open_checkpoint(load, iteration)
+    plan = make_plan(ckpt, options, progress=_progress("clustering"))
+    echo(describe(plan))
+    if dry_run:
+        echo("dry run: nothing written")
+        return plan
+    hashes = {p: sha256(p) for p in ckpt.file_paths()}
+    parent, base = os.path.split(os.path.abspath(save))
+    tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
+    try:
+        write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
+        verification = verify_legacy(ckpt, plan, tmp)
+        write_manifest(tmp, build_manifest(ckpt, plan, hashes, verification, ckpt.format))
+        if os.path.exists(save):
+            shutil.rmtree(save)
+        os.rename(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    echo(f"verified: {verification}")
+    echo(f"proxy written to {save}")
+    echo(f"launch flags: {launch_flags(plan, save)}")
+    echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
+         f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")
+    return plan

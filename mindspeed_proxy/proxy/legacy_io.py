@@ -1,0 +1,270 @@
+"""Read a legacy Megatron-LM checkpoint (`mp_rank_*/model_optim_rng.pt`) lazily and write a proxy of it.
+
+Every file is opened with `mmap=True` and `weights_only=True`: tensors are paged in only when a layer's
+experts are touched, so the whole model is never in memory.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.proxy import experts as X
+from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.layout import Layout, layout_from_args
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+KEPT_FIELDS = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
+               "num_floating_point_operations_so_far")
+_CHUNK = re.compile(r"^model\d*$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def iteration_dir_name(iteration) -> str:
+    """`iter_{:07d}`, or `release` for Megatron's release checkpoints."""
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def rank_dir_name(tp: int, pp: int, ep: int, layout: Layout) -> str:
+    """`mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]` as Megatron-LM names it for `layout`."""
+    name = f"mp_rank_{tp:02d}"
+    if layout.pp > 1:
+        name += f"_{pp:03d}"
+    if layout.ep > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def resolve_iteration(root: str, iteration: Optional[int]):
+    """The iteration to convert (from --iteration or the tracker) and its folder; ConversionError if absent."""
+    if not os.path.isdir(root):
+        raise ConversionError(f"--load {root}: no such directory")
+    if iteration is None:
+        tracker = os.path.join(root, TRACKER)
+        if not os.path.isfile(tracker):
+            raise ConversionError(f"--load {root}: no {TRACKER} (not a Megatron checkpoint directory)")
+        text = open(tracker, encoding="utf-8").read().strip()
+        if text != "release" and not text.isdigit():
+            raise ConversionError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+        iteration = text if text == "release" else int(text)
+    folder = os.path.join(root, iteration_dir_name(iteration))
+    if not os.path.isdir(folder):
+        raise ConversionError(f"--load {root}: iteration {iteration} has no folder {folder}")
+    return iteration, folder
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer of one pipeline stage and model chunk."""
+
+    pp: int
+    chunk: str
+    prefix: str  # `decoder.layers.{i}.mlp.`
+    global_layer: Optional[int]
+
+    @property
+    def name(self) -> str:
+        """Readable id: global layer number when known, else stage/chunk/prefix."""
+        if self.global_layer is not None:
+            return f"layer {self.global_layer}"
+        return f"pp{self.pp}/{self.chunk}/{self.prefix}"
+
+
+class LegacyCheckpoint:
+    """The files of one iteration of a legacy checkpoint, validated against the `args` they carry."""
+
+    format = "torch"
+
+    def __init__(self, root: str, iteration: Optional[int] = None):
+        self.root = root
+        self.iteration, self.folder = resolve_iteration(root, iteration)
+        names = sorted(n for n in os.listdir(self.folder) if n.startswith("mp_rank_"))
+        if not names:
+            raise ConversionError(f"--load {root}: {self.folder} holds no mp_rank_* folders (not a legacy "
+                                  "checkpoint)")
+        self._states: dict = {}
+        self._codecs: dict = {}
+        first = self._load(os.path.join(self.folder, names[0], FILE))
+        if "args" not in first:
+            raise ConversionError(f"{os.path.join(self.folder, names[0], FILE)}: no 'args' recorded")
+        self.args = first["args"]
+        self.layout = layout_from_args(self.args)
+        L = self.layout
+        self.files = {(t, p, e): os.path.join(self.folder, rank_dir_name(t, p, e, L), FILE)
+                      for t in range(L.tp) for p in range(L.pp) for e in range(L.ep)}
+        expected = {os.path.basename(os.path.dirname(f)) for f in self.files.values()}
+        extra, missing = sorted(set(names) - expected), sorted(expected - set(names))
+        if extra:
+            raise ConversionError(f"{self.folder}: folder {extra[0]} does not fit the args' layout TP={L.tp} "
+                                  f"PP={L.pp} EP={L.ep} (inconsistent EP/TP between files and args)")
+        if missing:
+            raise ConversionError(f"{self.folder}: missing shard {missing[0]} (args say TP={L.tp} PP={L.pp} "
+                                  f"EP={L.ep})")
+        for coord, path in self.files.items():
+            if not os.path.isfile(path):
+                raise ConversionError(f"missing shard {path}")
+            self._check_args(path, self.state(*coord).get("args"))
+        self.chunks = sorted((k for k in self.state(0, 0, 0) if _CHUNK.match(k)), key=lambda k: (len(k), k))
+        if not self.chunks:
+            raise ConversionError(f"{self.files[(0, 0, 0)]}: no 'model' entry")
+        self.layers = self._find_layers()
+        self._check_expert_counts()
+        self.release()
+
+    def _load(self, path: str) -> dict:
+        try:
+            return safe_torch_load(path, mmap=True)
+        except ValueError as exc:
+            raise ConversionError(f"truncated or unreadable shard: {exc}") from None
+
+    def state(self, tp: int, pp: int, ep: int) -> dict:
+        """The mmapped content of file (tp, pp, ep)."""
+        path = self.files[(tp, pp, ep)]
+        if path not in self._states:
+            self._states[path] = self._load(path)
+        return self._states[path]
+
+    def release(self) -> None:
+        """Drop every mmapped file (their pages leave this process's RSS once no tensor refers to them)."""
+        self._states.clear()
+
+    def _check_args(self, path: str, args) -> None:
+        fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "num_experts")
+        for field in fields:
+            if getattr(args, field, None) != getattr(self.args, field, None):
+                raise ConversionError(f"{path}: args.{field} = {getattr(args, field, None)} but other files say "
+                                      f"{getattr(self.args, field, None)} (inconsistent EP/TP between files)")
+
+    def _find_layers(self) -> list:
+        L, layers = self.layout, []
+        num_layers = getattr(self.args, "num_layers", None)
+        for pp in range(L.pp):
+            for v, chunk in enumerate(self.chunks):
+                model = self.state(0, pp, 0)[chunk]
+                for key in model:
+                    if key.endswith("mlp.router.weight"):
+                        prefix = key[: -len("router.weight")]
+                        layers.append(MoELayer(pp, chunk, prefix, _global_layer(prefix, pp, v, L, num_layers,
+                                                                                  len(self.chunks))))
+        if not layers:
+            raise ConversionError(f"--load {self.root}: no MoE layer (no mlp.router.weight) in the model")
+        return layers
+
+    def codec(self, layer: MoELayer):
+        """The expert codec of `layer` (checked in every file when opening)."""
+        if layer not in self._codecs:
+            model = self.state(0, layer.pp, 0)[layer.chunk]
+            self._codecs[layer] = X.detect(model, layer.prefix + "experts.",
+                                           f"{self.files[(0, layer.pp, 0)]} {layer.name}")
+        return self._codecs[layer]
+
+    def _check_expert_counts(self) -> None:
+        n = self.layout.num_local_experts
+        for layer in self.layers:
+            for (tp, pp, ep), path in self.files.items():
+                if pp != layer.pp:
+                    continue
+                model = self.state(tp, pp, ep)[layer.chunk]
+                codec = X.detect(model, layer.prefix + "experts.", f"{path} {layer.name}")
+                count = codec.count(model, layer.prefix + "experts.")
+                if count == -1:
+                    codec.get(model, layer.prefix + "experts.", 0, n)  # checks the grouped shapes
+                elif count != n:
+                    raise ConversionError(f"{path}: {layer.name} holds {count} local experts but args say "
+                                          f"{self.layout.num_experts} experts over {self.layout.expert_shards} "
+                                          "expert shards (inconsistent EP/TP between files and args)")
+                rows = model[layer.prefix + "router.weight"].shape[0]
+                if rows != self.layout.num_experts:
+                    raise ConversionError(f"{path}: {layer.name} router has {rows} rows, args num_experts = "
+                                          f"{self.layout.num_experts}")
+
+    def expert(self, layer: MoELayer, global_id: int, tp: int) -> dict:
+        """{name: tensor} of expert `global_id` as stored for TP rank `tp` (mmapped, not copied)."""
+        src_tp, src_ep, local = self.layout.owner(global_id, tp)
+        model = self.state(src_tp, layer.pp, src_ep)[layer.chunk]
+        return self.codec(layer).get(model, layer.prefix + "experts.", local, self.layout.num_local_experts)
+
+    def router(self, layer: MoELayer) -> dict:
+        """{'weight': [E, H], 'expert_bias'?: [E], 'bias'?: [E]} of `layer` (replicated over TP/EP)."""
+        model = self.state(0, layer.pp, 0)[layer.chunk]
+        return {n: model[layer.prefix + "router." + n] for n in ("weight", "expert_bias", "bias")
+                if isinstance(model.get(layer.prefix + "router." + n), torch.Tensor)}
+
+    def file_paths(self) -> list:
+        """Every file of this iteration (for hashing), sorted."""
+        out = []
+        for base, _, names in os.walk(self.folder):
+            out += [os.path.join(base, n) for n in names]
+        return sorted(out)
+
+
+def _global_layer(prefix: str, pp: int, v: int, L: Layout, num_layers, chunks: int) -> Optional[int]:
+    match = _LAYER.search(prefix)
+    if not match or not num_layers or not prefix.startswith("decoder.") or num_layers % (L.pp * chunks):
+        return None
+    per = num_layers // (L.pp * chunks)
+    return v * L.pp * per + pp * per + int(match.group(1))
+
+
+def router_rows(value: torch.Tensor, kept: list) -> torch.Tensor:
+    """Rows `kept` of a router tensor, as a fresh tensor."""
+    return value.index_select(0, torch.tensor(kept, dtype=torch.long)).clone()
+
+
+def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp: int, pp: int, ep: int) -> dict:
+    """The proxy's file (tp, pp, ep) as a state dict: non-expert entries from the source's EP rank 0,
+    router rows and experts of the kept ids, optimizer / RNG / rerun state left out."""
+    source = ckpt.state(tp, pp, 0)
+    out = {k: source[k] for k in KEPT_FIELDS if k in source}
+    out["args"] = new_args
+    for chunk in ckpt.chunks:
+        model = dict(source[chunk])
+        for layer in (l for l in ckpt.layers if l.pp == pp and l.chunk == chunk):
+            kept = plan.kept[layer]
+            codec = ckpt.codec(layer)
+            prefix = layer.prefix + "experts."
+            for key in codec.owned(model, prefix):
+                del model[key]
+            for name in ("weight", "expert_bias", "bias"):
+                key = layer.prefix + "router." + name
+                if isinstance(model.get(key), torch.Tensor):
+                    model[key] = router_rows(model[key], kept)
+            local_ids = [target.global_id(ep, tp, j) for j in range(target.num_local_experts)]
+            pieces = [ckpt.expert(layer, kept[g], tp) for g in local_ids]
+            built = codec.build(prefix, [{n: _own(t) for n, t in e.items()} for e in pieces])
+            model.update(built)
+        out[chunk] = model
+    return out
+
+
+def _own(value):
+    """A tensor that owns its storage (torch.save writes whole storages), else the value unchanged."""
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() != value.nbytes:
+        return value.clone()
+    return value
+
+
+def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, progress=None) -> list:
+    """Write every file of the proxy under `out_root` (tracker included); return the written paths."""
+    folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
+    written = []
+    for tp in range(target.tp):
+        for pp in range(target.pp):
+            for ep in range(target.ep):
+                rank_dir = os.path.join(folder, rank_dir_name(tp, pp, ep, target))
+                os.makedirs(rank_dir)
+                path = os.path.join(rank_dir, FILE)
+                torch.save(build_rank_state(ckpt, plan, target, new_args, tp, pp, ep), path)
+                ckpt.release()
+                written.append(path)
+                if progress:
+                    progress(path)
+    with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
+        fh.write(str(ckpt.iteration))
+    return written

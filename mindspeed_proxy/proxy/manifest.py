@@ -1,0 +1,71 @@
+"""`proxy_manifest.json`: where the proxy came from and exactly what was kept."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+MANIFEST = "proxy_manifest.json"
+
+
+def sha256(path: str, block: int = 16 << 20) -> str:
+    """Hex SHA-256 of a file, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "megatron-core", "mindspeed-proxy", "scipy", "scikit-learn"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str) -> dict:
+    """The manifest as a JSON-able dict."""
+    s, t = plan.source, plan.target
+    layers = []
+    for layer, kept in plan.kept.items():
+        d = plan.details[layer]
+        layers.append({"layer": layer.global_layer, "pipeline_stage": layer.pp, "chunk": layer.chunk,
+                       "prefix": layer.prefix, "kept_global_ids_in_new_order": kept,
+                       "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"]})
+    return {
+        "format": fmt,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": {"path": os.path.abspath(ckpt.root), "iteration": ckpt.iteration,
+                   "sha256": {os.path.relpath(p, ckpt.root): h for p, h in source_hashes.items()}},
+        "versions": _versions(),
+        "num_experts": {"source": s.num_experts, "proxy": t.num_experts},
+        "features": plan.options.features,
+        "cluster": plan.options.cluster,
+        "representative": plan.options.representative,
+        "seed": plan.options.seed,
+        "calibration_fingerprint": None,
+        "ep_mapping": {"source": {"expert_model_parallel_size": s.ep, "tp_extend_ep": s.tp_extend_ep,
+                                  "global_id_to_rank_local": s.mapping()},
+                       "proxy": {"expert_model_parallel_size": t.ep, "tp_extend_ep": t.tp_extend_ep,
+                                 "global_id_to_rank_local": t.mapping()}},
+        "accelerators": {"source": s.world_size, "proxy": t.world_size},
+        "args_diff": plan.args_diff,
+        "dropped": ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"],
+        "layers": layers,
+        "verification": verification,
+    }
+
+
+def write_manifest(folder: str, manifest: dict) -> str:
+    """Write `manifest` to folder/proxy_manifest.json; return its path."""
+    path = os.path.join(folder, MANIFEST)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1)
+    return path

@@ -1,0 +1,139 @@
+"""The conversion plan: target layout, K checked against the layout rules, kept experts per layer."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from mindspeed_proxy.proxy import clustering, features
+from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
+
+REWRITTEN_ARGS = ("num_experts", "expert_model_parallel_size", "world_size", "data_parallel_size")
+
+
+@dataclass
+class Options:
+    """What the user asked for (CLI flags)."""
+
+    target_ep: int
+    target_k: int
+    features: str = "weights"
+    cluster: str = "agglomerative"
+    representative: str = "medoid"
+    seed: int = 0
+    selection: str = "cluster"  # or "random": the baseline of the same K
+
+
+@dataclass
+class Plan:
+    """Everything the writer and the verifier need, and what the dry run prints."""
+
+    source: Layout
+    target: Layout
+    options: Options
+    kept: dict = field(default_factory=dict)      # MoELayer -> kept source global ids, ascending
+    details: dict = field(default_factory=dict)   # MoELayer -> cluster_layer() result
+    new_args: Optional[argparse.Namespace] = None
+    args_diff: dict = field(default_factory=dict)
+    bytes_to_write: int = 0
+
+
+def rules_from_args(args, layout: Layout, ep2: int) -> dict:
+    """Keyword arguments of layout.check_k for this checkpoint and EP2."""
+    return dict(ep2=ep2, tp=layout.tp, topk=int(getattr(args, "moe_router_topk", 2) or 1),
+                num_experts=layout.num_experts, tp_extend_ep=layout.tp_extend_ep,
+                num_groups=getattr(args, "moe_router_num_groups", None),
+                group_topk=getattr(args, "moe_router_group_topk", None))
+
+
+def rewrite_args(args, target: Layout) -> tuple:
+    """A copy of `args` with Megatron's expert/world fields for `target`, and the {field: [old, new]} diff."""
+    new = argparse.Namespace(**vars(args))
+    values = {"num_experts": target.num_experts, "expert_model_parallel_size": target.ep,
+              "world_size": target.world_size, "data_parallel_size": target.dp}
+    diff = {}
+    for name, value in values.items():
+        if getattr(args, name, None) != value:
+            diff[name] = [getattr(args, name, None), value]
+        setattr(new, name, value)
+    return new, diff
+
+
+def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Plan:
+    """Check K and EP2 against the checkpoint's layout, cluster every MoE layer, size the output."""
+    source = ckpt.layout
+    check_target_ep(source, options.target_ep)
+    rules = rules_from_args(ckpt.args, source, options.target_ep)
+    check_k(options.target_k, **rules)
+    if options.features != "weights":
+        raise ConversionError(f"--features {options.features}: only 'weights' is implemented in this version")
+    target = target_layout(source, options.target_ep, options.target_k)
+    plan = Plan(source=source, target=target, options=options)
+    plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    layers = ckpt.layers if progress is None else progress(ckpt.layers)
+    for index, layer in enumerate(layers):
+        sim = features.weight_similarity(ckpt, layer)
+        if options.selection == "random":
+            result = clustering.random_selection(sim, options.target_k, options.seed + index, rules["num_groups"])
+        else:
+            result = clustering.cluster_layer(sim, options.target_k, options.cluster, options.seed,
+                                              rules["num_groups"], options.representative)
+        plan.kept[layer] = result["kept"]
+        plan.details[layer] = result
+        ckpt.release()
+    plan.bytes_to_write = _bytes_to_write(ckpt, plan)
+    return plan
+
+
+def _nbytes(value) -> int:
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+def _bytes_to_write(ckpt, plan: Plan) -> int:
+    """Tensor bytes of the proxy: non-expert tensors per file, K/E of the router rows, the kept experts."""
+    total = 0
+    src, tgt = plan.source, plan.target
+    for tp in range(src.tp):
+        for pp in range(src.pp):
+            for chunk in ckpt.chunks:
+                model = ckpt.state(tp, pp, 0)[chunk]
+                layers = [l for l in ckpt.layers if l.pp == pp and l.chunk == chunk]
+                owned = {k for l in layers for k in ckpt.codec(l).owned(model, l.prefix + "experts.")}
+                dense = sum(_nbytes(v) for k, v in model.items() if k not in owned)
+                total += dense * tgt.ep
+                for layer in layers:
+                    router = sum(_nbytes(v) for v in ckpt.router(layer).values())
+                    total -= router * tgt.ep * (src.num_experts - tgt.num_experts) // src.num_experts
+                    for g in plan.kept[layer] if not (src.tp_extend_ep and tp) else []:
+                        total += sum(_nbytes(v) for v in ckpt.expert(layer, g, tp).values())
+    return total
+
+
+def describe(plan: Plan) -> str:
+    """Human-readable plan: layouts, K, per-layer kept ids and clusters, new EP mapping, bytes to write."""
+    s, t = plan.source, plan.target
+    lines = [f"source: {s.num_experts} experts, TP={s.tp} PP={s.pp} EP={s.ep} DP={s.dp} "
+             f"({s.world_size} accelerators)",
+             f"proxy:  {t.num_experts} experts, TP={t.tp} PP={t.pp} EP={t.ep} DP={t.dp} "
+             f"({t.world_size} accelerators)",
+             f"features={plan.options.features} cluster={plan.options.cluster} "
+             f"representative={plan.options.representative} seed={plan.options.seed}"]
+    for layer, kept in plan.kept.items():
+        d = plan.details[layer]
+        lines.append(f"  {layer.name}: keep {kept}  cluster sizes {d['sizes']}  labels {d['labels']}")
+    n_local = t.num_local_experts
+    mapping = ", ".join(f"EP{r}: new {r * n_local}..{(r + 1) * n_local - 1}" for r in range(t.ep))
+    lines.append(f"new EP mapping (new id = position in the kept list): {mapping}")
+    lines.append(f"args changed: {plan.args_diff}")
+    lines.append(f"bytes to write: {plan.bytes_to_write} ({plan.bytes_to_write / 2**20:.1f} MiB)")
+    return "\n".join(lines)
+
+
+def launch_flags(plan: Plan, out_dir: str) -> str:
+    """The Megatron flags that load the proxy."""
+    t = plan.target
+    return (f"--num-experts {t.num_experts} --expert-model-parallel-size {t.ep} --load {out_dir} "
+            "--finetune --no-load-optim --no-load-rng")

@@ -1,0 +1,80 @@
+"""Real legacy checkpoints written by the real trainer, shared by the proxy tests (built once per session)."""
+import hashlib
+import os
+
+import pytest
+
+from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.training.loop import train
+
+TINY = ["--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--global-batch-size", "8",
+        "--micro-batch-size", "2"]
+# name: (world size, flags). "bias" = sigmoid scoring + aux-free expert bias + a shared expert.
+CONFIGS = {
+    "ep2_bias": (2, ["--expert-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "32",
+                     "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]),
+    "ep4": (4, ["--expert-model-parallel-size", "4"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # legacy GroupedMLP (bf16 only in megatron-core); layers 1 and 3 dense (--moe-layer-freq 2)
+    "grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--bf16", "--num-layers", "4",
+                    "--moe-layer-freq", "2"]),
+}
+
+
+def model_flags(name: str) -> list:
+    """The trainer flags that describe checkpoint `name`'s model (without its parallel layout)."""
+    flags = CONFIGS[name][1]
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if flag in ("--expert-model-parallel-size", "--tensor-model-parallel-size"):
+            skip = True
+            continue
+        out.append(flag)
+    return TINY + out
+
+
+class Checkpoints:
+    """Builds each named checkpoint on first use, under one session folder."""
+
+    def __init__(self, root):
+        self.root = root
+        self.paths = {}
+
+    def __call__(self, name: str) -> str:
+        if name not in self.paths:
+            world, flags = CONFIGS[name]
+            path = os.path.join(self.root, name)
+            run_distributed(train, world, TINY + flags + ["--ckpt-format", "torch", "--save", path,
+                                                          "--log-dir", os.path.join(self.root, name + "-logs")],
+                            timeout=300)
+            self.paths[name] = path
+        return self.paths[name]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """checkpoints(name) -> path of a real legacy checkpoint from CONFIGS."""
+    return Checkpoints(str(tmp_path_factory.mktemp("proxy-ckpts")))
+
+
+def folder_hash(root: str) -> str:
+    """SHA-256 over every file's relative path, mode and content under `root`."""
+    digest = hashlib.sha256()
+    for base, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(base, name)
+            digest.update(os.path.relpath(path, root).encode())
+            digest.update(str(os.stat(path).st_mode).encode())
+            with open(path, "rb") as fh:
+                digest.update(fh.read())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def hash_folder():
+    """The folder_hash function."""
+    return folder_hash
