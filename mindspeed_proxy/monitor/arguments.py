@@ -24,8 +24,8 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def monitor_config_from_args(args: argparse.Namespace, default_output: str = "mechanism_monitor") -> MonitorConfig:
     """MonitorConfig from --mechanism-monitor-config overlaid with the explicit flags."""
-    data = (MonitorConfig.from_file(args.mechanism_monitor_config).to_dict()
-            if getattr(args, "mechanism_monitor_config", None) else {})
+    path = getattr(args, "mechanism_monitor_config", None)
+    data = MonitorConfig.read_file(path) if path else {}
     if getattr(args, "mechanism_monitor_interval", None) is not None:
         data["interval"] = args.mechanism_monitor_interval
     if getattr(args, "mechanism_monitor_delta", None) is not None:

@@ -32,6 +32,8 @@ class MonitorConfig:
     families: list[str] = field(default_factory=lambda: ["attention-spectral", "update-spectral", "router"])
     detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=10, persistence=2))
     router_detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=50, persistence=5))
+    detect_start: int = 0  # samples before this step are logged but build no baseline (early training)
+    detect_slots: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])  # ΔW slots tested
     detect_metrics: dict[str, list[str]] = field(default_factory=lambda: {
         "attention-spectral": ["delta2/entropy", "delta2/effective_rank", "delta2/top1_energy"],
         "update-spectral": ["entropy", "effective_rank", "top1_energy"],
@@ -86,6 +88,11 @@ class MonitorConfig:
     @classmethod
     def from_file(cls, path: str) -> "MonitorConfig":
         """Load a JSON (.json) or YAML (.yaml/.yml) file."""
+        return cls.from_dict(cls.read_file(path))
+
+    @staticmethod
+    def read_file(path: str) -> dict[str, Any]:
+        """The mapping in a JSON/YAML config file (only the keys it sets), validated."""
         if not os.path.isfile(path):
             raise ValueError(f"monitor config {path}: no such file")
         with open(path, encoding="utf-8") as fh:
@@ -97,4 +104,8 @@ class MonitorConfig:
                 data = json.load(fh)
         if not isinstance(data, dict):
             raise ValueError(f"monitor config {path}: expected a mapping at the top level")
-        return cls.from_dict(data)
+        try:
+            MonitorConfig.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"monitor config {path}: {exc}") from None
+        return data

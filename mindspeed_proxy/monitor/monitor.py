@@ -317,7 +317,9 @@ class MechanismMonitor:
                 for slot, stats in rec.items():
                     for stat, value in stats.items():
                         per_layer.setdefault(f"{slot}/{stat}", {})[layer] = value
-        metrics = [m for m in per_layer if m.rsplit("/", 1)[-1] in self.config.detect_metrics.get("update-spectral", [])]
+        wanted = self.config.detect_metrics.get("update-spectral", [])
+        metrics = [m for m in per_layer if m.rsplit("/", 1)[-1] in wanted
+                   and m.rsplit("/", 1)[0] in self.config.detect_slots]
         self._publish("update-spectral", iteration, records, per_layer, self.spectral_detectors, metrics)
 
     def _publish_attention(self, iteration: int, table: torch.Tensor) -> None:
@@ -348,7 +350,7 @@ class MechanismMonitor:
         self.last[family] = {"step": iteration, "layers": records}
         series = {(family, m, layer, None): v for m, layers in per_layer.items() if m in detect_metrics
                   for layer, v in layers.items()}
-        alerts = bank.update_many(iteration, series)
+        alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
         self.alerts.extend(alerts)
         self._emit({"type": "sample", "family": family, "step": iteration, "layers": records})
         for alert in alerts:
