@@ -30,8 +30,12 @@ def safe_torch_load(path: str, map_location: str = "cpu", mmap: bool = False) ->
     """Load a torch file with `weights_only=True` and our allowlist; ValueError names a bad file."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
+    # safe_globals() removes on exit what it added: pass only what is not already allowed (megatron
+    # registers argparse.Namespace process-wide at import; removing it would break its own loads)
+    already = set(torch.serialization.get_safe_globals())
+    extra = [g for g in allowlist() if g not in already]
     try:
-        with torch.serialization.safe_globals(allowlist()):
+        with torch.serialization.safe_globals(extra):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # truncated zip, unknown global, bad magic: one clear line
         raise ValueError(f"{path}: cannot be read as a safe torch checkpoint ({type(exc).__name__}: "

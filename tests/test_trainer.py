@@ -136,3 +136,15 @@ def test_torch_dist_saved_at_ep2_loads_at_ep1_and_finetune_loads_weights(tmp_pat
     tuned = steps(tmp_path / "ft")
     assert sorted(tuned) == [1, 2, 3]
     assert tuned[1]["loss"] < fresh - 0.5, (tuned[1]["loss"], fresh)
+
+
+def test_safe_load_keeps_process_wide_allowlist(tmp_path):
+    """safe_torch_load must not remove globals that were allowed before it ran (megatron relies on them)."""
+    import argparse
+
+    import torch
+
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    torch.save({"args": argparse.Namespace(a=1)}, tmp_path / "x.pt")
+    assert safe_torch_load(str(tmp_path / "x.pt"))["args"].a == 1
+    assert argparse.Namespace in torch.serialization.get_safe_globals()

@@ -42,8 +42,10 @@ def open_checkpoint(load: str, iteration: Optional[int]):
     """The checkpoint reader for the format found under `load`."""
     _, folder = resolve_iteration(load, iteration)
     names = os.listdir(folder)
-    if "metadata.json" in names or "common.pt" in names:
-        raise ConversionError(f"--load {load}: torch_dist checkpoints are not supported by this version yet")
+    if "metadata.json" in names or "common.pt" in names or ".metadata" in names:
+        from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+
+        return DistCheckpoint(load, iteration)
     return LegacyCheckpoint(load, iteration)
 
 
@@ -62,6 +64,14 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
     """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input."""
     check_paths(load, save, overwrite, dry_run)
     ckpt = open_checkpoint(load, iteration)
+    try:
+        return _convert(ckpt, save, options, dry_run, echo)
+    finally:
+        if hasattr(ckpt, "close"):
+            ckpt.close()
+
+
+def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable):
     plan = make_plan(ckpt, options, progress=_progress("clustering"))
     echo(describe(plan))
     if dry_run:
@@ -71,8 +81,15 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
     parent, base = os.path.split(os.path.abspath(save))
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
-        write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
-        verification = verify_legacy(ckpt, plan, tmp)
+        if ckpt.format == "torch_dist":
+            from mindspeed_proxy.proxy.dist_io import write_dist
+            from mindspeed_proxy.proxy.verify import verify_dist
+
+            write_dist(ckpt, plan, plan.new_args, tmp)
+            verification = verify_dist(ckpt, plan, tmp)
+        else:
+            write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
+            verification = verify_legacy(ckpt, plan, tmp)
         write_manifest(tmp, build_manifest(ckpt, plan, hashes, verification, ckpt.format))
         if os.path.exists(save):
             shutil.rmtree(save)

@@ -57,7 +57,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
                                  "global_id_to_rank_local": t.mapping()}},
         "accelerators": {"source": s.world_size, "proxy": t.world_size},
         "args_diff": plan.args_diff,
-        "dropped": ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"],
+        "dropped": (["optimizer.* tensors", "optimizer (common.pt)", "rng_state objects"] if fmt == "torch_dist"
+                    else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"]),
         "layers": layers,
         "verification": verification,
     }

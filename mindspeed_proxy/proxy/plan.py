@@ -94,6 +94,8 @@ def _nbytes(value) -> int:
 
 def _bytes_to_write(ckpt, plan: Plan) -> int:
     """Tensor bytes of the proxy: non-expert tensors per file, K/E of the router rows, the kept experts."""
+    if hasattr(ckpt, "bytes_to_write"):
+        return ckpt.bytes_to_write(plan)
     total = 0
     src, tgt = plan.source, plan.target
     for tp in range(src.tp):

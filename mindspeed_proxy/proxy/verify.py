@@ -91,3 +91,82 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
             if not bit_equal(model[key], src_model[key]):
                 _fail(path, f"{chunk}.{key} differs from the source")
             counts["other_tensors"] += isinstance(model[key], torch.Tensor)
+
+
+def _same_object(a, b) -> bool:
+    if hasattr(a, "getvalue") and hasattr(b, "getvalue"):  # io.BytesIO extra state (Transformer Engine)
+        return a.getvalue() == b.getvalue()
+    return bit_equal(a, b)
+
+
+def verify_dist(ckpt, plan, out_root: str) -> dict:
+    """Re-read a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
+    router rows bit-exact, every other tensor and object identical, common args rewritten, tracker."""
+    from mindspeed_proxy.proxy import dist_io as D
+
+    folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
+    tracker = open(os.path.join(out_root, "latest_checkpointed_iteration.txt"), encoding="utf-8").read().strip()
+    if tracker != str(ckpt.iteration):
+        _fail(out_root, f"tracker says {tracker!r}, source iteration is {ckpt.iteration}")
+    out, src = D.DistIndex(folder), ckpt.index
+    K = plan.target.num_experts
+    _verify_common(ckpt, plan, folder, out.common)
+    if set(out.tensors) != set(src.tensors):
+        _fail(folder, f"tensor keys differ from the source's model keys: {sorted(set(out.tensors) ^ set(src.tensors))[:4]}")
+    counts = {"files": len(os.listdir(folder)), "experts": 0, "router_rows": 0, "other_tensors": 0, "objects": 0}
+    for key, (shape, dtype) in sorted(src.tensors.items()):
+        want_shape = (shape[0], K) + tuple(shape[2:]) if D.is_sliced(key) else shape
+        if out.tensors[key] != (want_shape, dtype):
+            _fail(folder, f"{key}: {out.tensors[key]}, expected {(want_shape, dtype)}")
+        if not key.startswith(D.STACKED):
+            got = D.read_regions(folder, {key: D.whole_request(key, shape, dtype)})[key]
+            want = D.read_regions(ckpt.folder, {key: D.whole_request(key, shape, dtype)})[key]
+            if not bit_equal(got, want):
+                _fail(folder, f"{key} differs from the source")
+            counts["other_tensors"] += 1
+            continue
+        if out.layers_of[key] != src.layers_of[key]:
+            _fail(folder, f"{key} stored for layers {out.layers_of[key]}, source {src.layers_of[key]}")
+        for l in src.layers_of[key]:
+            got = D.read_regions(folder, {key: D.slab_request(key, want_shape, dtype, l)})[key][0]
+            want = D.read_regions(ckpt.folder, {key: D.slab_request(key, shape, dtype, l)})[key][0]
+            if not D.is_sliced(key):
+                if not bit_equal(got, want):
+                    _fail(folder, f"{key} layer {l} differs from the source")
+                counts["other_tensors"] += 1
+                continue
+            kept = D.kept_of(plan, l)
+            for j, g in enumerate(kept):
+                if not bit_equal(got[j], want[g]):
+                    _fail(folder, f"{key} layer {l}: proxy expert {j} differs from source expert {g}")
+            counts["experts" if key.startswith(D.EXPERTS) else "router_rows"] += len(kept)
+    expected = D.proxy_objects(ckpt, plan)
+    if set(out.objects) != set(expected):
+        _fail(folder, f"sharded objects differ: {sorted(set(out.objects) ^ set(expected))[:4]}")
+    got = D.read_regions(folder, out.object_requests(sorted(expected)))
+    want = D.read_regions(ckpt.folder, src.object_requests(sorted({v[3] for v in expected.values()})))
+    for name, (_, _, _, source) in expected.items():
+        if not _same_object(got[name], want[source]):
+            _fail(folder, f"object {name} differs from source {source}")
+        counts["objects"] += 1
+    return counts
+
+
+def _verify_common(ckpt, plan, folder, common) -> None:
+    from mindspeed_proxy.proxy.dist_io import KEPT_COMMON
+
+    tgt, source = plan.target, ckpt.index.common
+    wanted = {k for k in KEPT_COMMON if k in source}
+    if set(common) != wanted:
+        _fail(folder, f"common.pt keys {sorted(common)}, expected {sorted(wanted)}")
+    args = common["args"]
+    for name, value in (("num_experts", tgt.num_experts), ("expert_model_parallel_size", tgt.ep),
+                        ("world_size", tgt.world_size), ("data_parallel_size", tgt.dp)):
+        if getattr(args, name, None) != value:
+            _fail(folder, f"args.{name} = {getattr(args, name, None)}, expected {value}")
+    for name, value in vars(ckpt.args).items():
+        if name not in plan.args_diff and getattr(args, name, None) != value:
+            _fail(folder, f"args.{name} changed from {value!r} to {getattr(args, name, None)!r}")
+    for name in wanted - {"args"}:
+        if not bit_equal(common[name], source[name]):
+            _fail(folder, f"common {name} differs from the source")

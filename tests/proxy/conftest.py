@@ -37,17 +37,18 @@ def model_flags(name: str) -> list:
 
 
 class Checkpoints:
-    """Builds each named checkpoint on first use, under one session folder."""
+    """Builds each named checkpoint on first use, under one session folder, in format `fmt`."""
 
-    def __init__(self, root):
+    def __init__(self, root, fmt="torch"):
         self.root = root
+        self.fmt = fmt
         self.paths = {}
 
     def __call__(self, name: str) -> str:
         if name not in self.paths:
             world, flags = CONFIGS[name]
             path = os.path.join(self.root, name)
-            run_distributed(train, world, TINY + flags + ["--ckpt-format", "torch", "--save", path,
+            run_distributed(train, world, TINY + flags + ["--ckpt-format", self.fmt, "--save", path,
                                                           "--log-dir", os.path.join(self.root, name + "-logs")],
                             timeout=300)
             self.paths[name] = path
@@ -58,6 +59,12 @@ class Checkpoints:
 def checkpoints(tmp_path_factory):
     """checkpoints(name) -> path of a real legacy checkpoint from CONFIGS."""
     return Checkpoints(str(tmp_path_factory.mktemp("proxy-ckpts")))
+
+
+@pytest.fixture(scope="session")
+def dist_checkpoints(tmp_path_factory):
+    """dist_checkpoints(name) -> path of a real torch_dist checkpoint from CONFIGS."""
+    return Checkpoints(str(tmp_path_factory.mktemp("proxy-dist-ckpts")), "torch_dist")
 
 
 def folder_hash(root: str) -> str:

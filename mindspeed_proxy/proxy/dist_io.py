@@ -1,0 +1,307 @@
+"""Read a torch_dist checkpoint (megatron-core `dist_checkpointing`) by global tensor and write a proxy of it.
+
+The source is read through torch.distributed.checkpoint metadata (global keys, shapes, stored chunks) and
+megatron-core's TorchDist load strategy, one layer slab `[1, E, ...]` of a stacked `decoder.layers.*`
+tensor at a time; the model is never built. The proxy is written with `dist_checkpointing.save` from a
+single gloo process: the same global keys, the expert axis (axis 1 of the stacked expert and router
+tensors) cut from E to K, expert `_extra_state` objects renumbered, optimizer and RNG entries dropped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from typing import Optional
+
+import torch
+
+from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.layout import layout_from_args
+from mindspeed_proxy.proxy.legacy_io import TRACKER, MoELayer, iteration_dir_name, resolve_iteration
+
+KEPT_COMMON = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
+               "num_floating_point_operations_so_far", "content_metadata")
+STACKED = "decoder.layers."
+EXPERTS = "decoder.layers.mlp.experts."
+ROUTER = "decoder.layers.mlp.router."
+_OBJECT = re.compile(r"^(.+)/shard_([\d.]+)_([\d.]+)$")
+_OWN_GROUP = []
+
+
+def ensure_group() -> None:
+    """A world-1 gloo process group for megatron's dist_checkpointing (created once, if none exists)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConversionError("torch_dist conversion runs in a single process (world size 1)")
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _OWN_GROUP.append(True)
+
+
+def close_group() -> None:
+    """Destroy the process group if ensure_group() created it."""
+    import torch.distributed as dist
+
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP.clear()
+
+
+def is_model_key(key: str) -> bool:
+    """True for model entries (not optimizer state, not RNG records)."""
+    return not key.startswith(("optimizer.", "rng_state"))
+
+
+def is_sliced(key: str) -> bool:
+    """True for stacked tensors/objects with an expert axis 1: routed experts and router rows."""
+    return key.startswith(EXPERTS) or key.startswith(ROUTER)
+
+
+def _dots(text: str) -> tuple:
+    return tuple(int(x) for x in text.split("."))
+
+
+def read_regions(folder: str, requests: dict) -> dict:
+    """{name: tensor or object} for ShardedTensor / ShardedObject `requests`, read with megatron's
+    TorchDist load strategy; ConversionError if the files cannot deliver them."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    ensure_group()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return TorchDistLoadShardedStrategy().load(requests, folder)
+    except Exception as exc:  # torch / megatron raise many types for damaged files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConversionError(f"truncated or unreadable shard in {folder}: {first}") from None
+
+
+def slab_request(key: str, shape: tuple, dtype, layer: int):
+    """ShardedTensor asking for layer `layer` of stacked global tensor `key` (shape [L, ...])."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, torch.empty((1,) + tuple(shape[1:]), dtype=dtype),
+                                           (0, layer, shape[0]))
+
+
+def whole_request(key: str, shape: tuple, dtype):
+    """ShardedTensor asking for all of global tensor `key`."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, torch.empty(tuple(shape), dtype=dtype))
+
+
+class DistIndex:
+    """What a torch_dist folder holds: common state, model tensor keys with shapes, layers per stacked key,
+    sharded objects; files checked against the metadata (missing or truncated .distcp refused)."""
+
+    def __init__(self, folder: str):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.folder = folder
+        try:
+            info = json.load(open(os.path.join(folder, "metadata.json"), encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConversionError(f"{folder}: unreadable metadata.json ({exc})") from None
+        if info.get("sharded_backend") != "torch_dist":
+            raise ConversionError(f"{folder}: sharded_backend {info.get('sharded_backend')!r} is not torch_dist")
+        self.info = info
+        if not os.path.isfile(os.path.join(folder, ".metadata")):
+            raise ConversionError(f"{folder}: missing .metadata (incomplete torch_dist checkpoint)")
+        if not os.path.isfile(os.path.join(folder, "common.pt")):
+            raise ConversionError(f"{folder}: missing common.pt (incomplete torch_dist checkpoint)")
+        try:
+            self.common = safe_torch_load(os.path.join(folder, "common.pt"))
+            meta = FileSystemReader(folder).read_metadata()
+        except Exception as exc:
+            raise ConversionError(f"truncated or unreadable shard: {folder}: {exc}") from None
+        ends: dict = {}
+        for item in meta.storage_data.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+        for name, end in sorted(ends.items()):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise ConversionError(f"missing shard {path} (listed in .metadata)")
+            if os.path.getsize(path) < end:
+                raise ConversionError(f"truncated or unreadable shard: {path} has {os.path.getsize(path)} bytes, "
+                                      f".metadata expects at least {end}")
+        self.tensors, self.layers_of, self.objects = {}, {}, {}
+        for key, item in meta.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                if not is_model_key(key):
+                    continue
+                self.tensors[key] = (tuple(item.size), item.properties.dtype)
+                if key.startswith(STACKED):
+                    self.layers_of[key] = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
+            elif is_model_key(key):
+                match = _OBJECT.match(key)
+                if not match:
+                    raise ConversionError(f"{folder}: unexpected non-tensor entry {key!r}")
+                self.objects[key] = (match.group(1), _dots(match.group(3)), _dots(match.group(2)))
+
+    def object_requests(self, names) -> dict:
+        """ShardedObject requests for the stored objects `names`."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        return {n: ShardedObject(self.objects[n][0], None, self.objects[n][1], self.objects[n][2], replica_id=0)
+                for n in names}
+
+
+class DistCheckpoint:
+    """One iteration of a torch_dist checkpoint, validated against the `args` in its common.pt."""
+
+    format = "torch_dist"
+    chunks = ["model"]
+
+    def __init__(self, root: str, iteration: Optional[int] = None):
+        self.root = root
+        self.iteration, self.folder = resolve_iteration(root, iteration)
+        self.index = DistIndex(self.folder)
+        common = self.index.common
+        if "args" not in common:
+            raise ConversionError(f"{self.folder}/common.pt: no 'args' recorded")
+        self.args = common["args"]
+        self.layout = layout_from_args(self.args)
+        E = self.layout.num_experts
+        per_layer = sorted(k for k in self.index.tensors if re.match(r"decoder\.layers\.\d+\.mlp\.(experts|router)\.", k))
+        if per_layer:
+            raise ConversionError(f"{self.folder}: unknown expert layout: per-layer keys such as {per_layer[0]!r} "
+                                  f"(only stacked {EXPERTS}* / {ROUTER}* global tensors are supported)")
+        router = ROUTER + "weight"
+        if router not in self.index.tensors:
+            raise ConversionError(f"--load {root}: no MoE layer ({router} missing) in the torch_dist checkpoint")
+        self.expert_keys = sorted(k for k in self.index.tensors if k.startswith(EXPERTS))
+        if not self.expert_keys:
+            raise ConversionError(f"{self.folder}: unknown expert layout: no {EXPERTS}* tensors")
+        moe = self.index.layers_of[router]
+        for key in self.expert_keys + [k for k in self.index.tensors if k.startswith(ROUTER)]:
+            shape = self.index.tensors[key][0]
+            if len(shape) < 2 or shape[1] != E:
+                raise ConversionError(f"{self.folder}: {key} has global shape {list(shape)}, expected [L, {E}, ...] "
+                                      f"for args num_experts = {E} (inconsistent experts between files and args)")
+            if self.index.layers_of[key] != moe:
+                raise ConversionError(f"{self.folder}: {key} is stored for layers {self.index.layers_of[key]}, "
+                                      f"the router for {moe}")
+        self.layers = [MoELayer(0, "model", f"decoder.layers.{l}.mlp.", l) for l in moe]
+        self._cache: dict = {}
+
+    def layer_slabs(self, layer: MoELayer) -> dict:
+        """{global key: [E, ...] tensor} of the expert and router tensors of `layer` (cached until release)."""
+        if layer not in self._cache:
+            keys = self.expert_keys + sorted(k for k in self.index.tensors if k.startswith(ROUTER))
+            requests = {k: slab_request(k, *self.index.tensors[k], layer.global_layer) for k in keys}
+            self._cache = {layer: {k: v[0] for k, v in read_regions(self.folder, requests).items()}}
+        return self._cache[layer]
+
+    def expert(self, layer: MoELayer, global_id: int, tp: int) -> dict:
+        """{'linear_fc1.weight': tensor, ...} of expert `global_id` (whole, all TP pieces; {} for tp > 0)."""
+        if tp:
+            return {}
+        return {k[len(EXPERTS + "experts."):] if k.startswith(EXPERTS + "experts.") else k[len(EXPERTS):]: v[global_id]
+                for k, v in self.layer_slabs(layer).items() if k.startswith(EXPERTS)}
+
+    def router(self, layer: MoELayer) -> dict:
+        """{'weight': [E, H], 'expert_bias'?: [E], 'bias'?: [E]} of `layer`."""
+        return {k[len(ROUTER):]: v for k, v in self.layer_slabs(layer).items() if k.startswith(ROUTER)}
+
+    def release(self) -> None:
+        """Drop the cached layer."""
+        self._cache = {}
+
+    def close(self) -> None:
+        """Release caches and the process group this reader created."""
+        self.release()
+        close_group()
+
+    def file_paths(self) -> list:
+        """Every file of this iteration (for hashing), sorted."""
+        return sorted(os.path.join(self.folder, n) for n in os.listdir(self.folder))
+
+    def bytes_to_write(self, plan) -> int:
+        """Tensor bytes of the proxy's model entries."""
+        total = 0
+        for key, (shape, dtype) in self.index.tensors.items():
+            shape = list(shape)
+            if is_sliced(key):
+                shape[1] = plan.target.num_experts
+            numel = 1
+            for s in shape:
+                numel *= s
+            if key.startswith(STACKED):
+                numel = numel // shape[0] * len(self.index.layers_of[key])
+            total += numel * torch.empty((), dtype=dtype).element_size()
+        return total
+
+
+def kept_of(plan, layer_id: int) -> list:
+    """Kept source expert ids of global layer `layer_id`."""
+    for layer, kept in plan.kept.items():
+        if layer.global_layer == layer_id:
+            return kept
+    raise ConversionError(f"layer {layer_id} has experts but no plan")
+
+
+def proxy_objects(ckpt: DistCheckpoint, plan) -> dict:
+    """{proxy object name: (key, shape, offset, source object name)} for every kept sharded object."""
+    out = {}
+    K = plan.target.num_experts
+    for name, (key, shape, offset) in ckpt.index.objects.items():
+        if not is_sliced(key):
+            out[name] = (key, shape, offset, name)
+            continue
+        if len(shape) != 2:
+            raise ConversionError(f"{ckpt.folder}: expert object {name} has shape {shape}, expected (L, E)")
+        kept = kept_of(plan, offset[0])
+        if offset[1] in kept:
+            new = (offset[0], kept.index(offset[1]))
+            new_shape = (shape[0], K)
+            out[f"{key}/shard_{new[0]}.{new[1]}_{new_shape[0]}.{new_shape[1]}"] = (key, new_shape, new, name)
+    return out
+
+
+def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None) -> str:
+    """Write the proxy with megatron `dist_checkpointing.save` under `out_root`; return its iteration folder."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from mindspeed_proxy import platform
+
+    if platform.current() is None and not torch.cuda.is_available():
+        platform.activate("cpu")  # megatron's writer uses torch.cuda.synchronize / current_device
+    ensure_group()
+    index, model = ckpt.index, {}
+    for key, (shape, dtype) in sorted(index.tensors.items()):
+        if not key.startswith(STACKED):
+            data = read_regions(ckpt.folder, {key: whole_request(key, shape, dtype)})[key]
+            model[key] = ShardedTensor.from_rank_offsets(key, data.clone())
+            continue
+        for l in index.layers_of[key]:
+            data = read_regions(ckpt.folder, {key: slab_request(key, shape, dtype, l)})[key]
+            if is_sliced(key):
+                data = data.index_select(1, torch.tensor(kept_of(plan, l), dtype=torch.long))
+            model[f"{key}@{l}"] = ShardedTensor.from_rank_offsets(key, data.contiguous(), (0, l, shape[0]))
+        if progress:
+            progress(key)
+    objects = proxy_objects(ckpt, plan)
+    values = read_regions(ckpt.folder, index.object_requests(sorted({v[3] for v in objects.values()})))
+    for name, (key, shape, offset, source) in objects.items():
+        model[name] = ShardedObject(key, values[source], shape, offset, replica_id=0)
+    common = index.common
+    state = {k: common[k] for k in KEPT_COMMON if k in common and k != "content_metadata"}
+    state.update(args=new_args, model=model)
+    folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
+    os.makedirs(folder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist_checkpointing.save(state, folder, content_metadata=common.get("content_metadata"))
+    except Exception as exc:
+        raise ConversionError(f"writing the torch_dist proxy failed: {type(exc).__name__}: {exc}") from None
+    with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
+        fh.write(str(ckpt.iteration))
+    return folder
