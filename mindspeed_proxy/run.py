@@ -1,6 +1,8 @@
 """Launcher: `torchrun ... -m mindspeed_proxy.run SCRIPT.py <its flags> [--enable-mechanism-monitor ...]`.
 
-Applies the mindspeed-proxy patches (the monitor is enabled when --enable-mechanism-monitor is among
+Activates the accelerator platform (env MINDSPEED_PROXY_DEVICE=cuda|npu|cpu, else auto-detected: on
+a machine without CUDA or NPU this installs the transfer-to-CPU layer, so Megatron-LM's own scripts
+run on CPU with gloo), applies the mindspeed-proxy patches (the monitor is enabled when --enable-mechanism-monitor is among
 the flags), then runs SCRIPT as `__main__` with the same argv, so an unmodified Megatron-LM /
 MindSpeed-LLM / example script trains with the monitor on. Megatron-LM's own parser learns our flags
 through the patched `parse_args`.
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mindspeed_proxy.run: error: {script}: no such script", file=sys.stderr)
         raise SystemExit(2)
     try:
+        from mindspeed_proxy import platform
+
+        platform.activate()
         apply_from_argv(argv[1:])
     except ValueError as exc:
         print(f"mindspeed_proxy.run: error: {exc}", file=sys.stderr)

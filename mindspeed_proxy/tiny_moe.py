@@ -37,6 +37,7 @@ class TinyMoEConfig:
     vocab_size: int = 264
     init_method_std: float = 0.02
     bf16: bool = False
+    fp16: bool = False  # fp16 params with Megatron's dynamic loss scaling
     sequence_parallel: bool = False
     qk_layernorm: bool = False
     position_embedding_type: str = "rope"
@@ -52,7 +53,7 @@ def transformer_config(cfg: TinyMoEConfig):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -77,8 +78,9 @@ def transformer_config(cfg: TinyMoEConfig):
         perform_initialization=True,
         params_dtype=dtype,
         bf16=cfg.bf16,
+        fp16=cfg.fp16,
         pipeline_dtype=dtype,
-        autocast_dtype=dtype if cfg.bf16 else None,
+        autocast_dtype=dtype if cfg.bf16 or cfg.fp16 else None,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -135,7 +137,7 @@ def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None)
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
     )
-    if cfg.bf16:
+    if cfg.bf16 or cfg.fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)

@@ -14,21 +14,23 @@ from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sam
 STEPS = 8
 
 
-def run_with_faults(faults, ep=1):
-    """Train STEPS steps with `faults` injected; return loss, grad norm and applied lr per step."""
+def run_with_faults(faults, ep=1, fp16=False):
+    """Train STEPS steps with `faults` injected; return loss, grad norm, applied lr, skipped per step."""
     from mindspeed_proxy import patches
 
     if faults:
         patches.apply(None, enable_monitor=False, faults=faults)
     init_parallel(ep=ep)
-    model_cfg = TinyMoEConfig(num_layers=2)
+    model_cfg = TinyMoEConfig(num_layers=2, fp16=fp16)
     train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4, lr=1e-3)
     trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=9))
     out = []
     for it in range(STEPS):
         lr = trainer.optimizer.param_groups[0]["lr"]
         result = trainer.train_step(synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64, 264))
-        out.append({"loss": result["loss"], "grad_norm": result["grad_norm"], "lr_used": lr})
+        scaler = getattr(trainer.optimizer, "get_loss_scale", None)
+        out.append({"loss": result["loss"], "grad_norm": result["grad_norm"], "lr_used": lr,
+                    "skipped": result["skipped"], "scale": float(scaler()) if scaler else None})
     return out
 
 
@@ -120,3 +122,13 @@ def test_lowp_attention_changes_training_from_start_only(healthy):
     faulty = run_distributed(run_with_faults, 1, ["lowp-attention:start=4,bits=3"])[0]
     assert [s["loss"] for s in faulty[:3]] == [s["loss"] for s in healthy[:3]]
     assert faulty[3]["loss"] != healthy[3]["loss"]
+
+
+def test_grad_overflow_with_fp16_loss_scaling_skips_the_step_and_recovers():
+    healthy16 = run_distributed(run_with_faults, 1, [], fp16=True)[0]
+    faulty = run_distributed(run_with_faults, 1, ["grad-overflow:start=5,param=router,value=inf"], fp16=True)[0]
+    assert [s["skipped"] for s in healthy16] == [False] * STEPS
+    assert [s["skipped"] for s in faulty] == [False] * 4 + [True] + [False] * (STEPS - 5)
+    assert faulty[4]["scale"] <= healthy16[4]["scale"]  # (halved only after `hysteresis` overflows)
+    assert all(math.isfinite(s["loss"]) for s in faulty)
+    assert [s["loss"] for s in faulty[:5]] == [s["loss"] for s in healthy16[:5]]

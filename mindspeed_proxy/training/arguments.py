@@ -40,6 +40,7 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="fp16 params with dynamic loss scaling")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -92,6 +93,8 @@ def validate_static(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters >= args.train_iters:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --train-iters "
                             f"{args.train_iters}")
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 exclude each other")
     if args.moe_grouped_gemm and not args.bf16:
         raise ArgumentError("--moe-grouped-gemm (legacy GroupedMLP) needs --bf16 in megatron-core")
     if args.tensor_model_parallel_size > 1 and args.num_experts:
@@ -150,7 +153,7 @@ def model_config(args: argparse.Namespace) -> TinyMoEConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff else "none",
         seq_length=args.seq_length,
-        bf16=args.bf16, sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16, fp16=args.fp16, sequence_parallel=args.sequence_parallel,
     )
 
 

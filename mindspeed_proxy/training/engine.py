@@ -31,6 +31,7 @@ class TrainConfig:
     micro_batch_size: int = 2
     global_batch_size: int = 8
     use_distributed_optimizer: bool = False
+    initial_loss_scale: float = 4096.0  # fp16 only (Megatron-LM's default 2^32 overflows for dozens of steps)
     seed: int = 1234
 
 
@@ -145,6 +146,8 @@ class Trainer:
             adam_eps=train_cfg.adam_eps,
             clip_grad=train_cfg.clip_grad,
             bf16=model_cfg.bf16,
+            fp16=model_cfg.fp16,
+            initial_loss_scale=train_cfg.initial_loss_scale,
             params_dtype=self.config.params_dtype,
             use_distributed_optimizer=train_cfg.use_distributed_optimizer,
         )
