@@ -2,10 +2,10 @@
 
 Activates the accelerator platform (env MINDSPEED_PROXY_DEVICE=cuda|npu|cpu, else auto-detected: on
 a machine without CUDA or NPU this installs the transfer-to-CPU layer, so Megatron-LM's own scripts
-run on CPU with gloo), applies the mindspeed-proxy patches (the monitor is enabled when --enable-mechanism-monitor is among
-the flags), then runs SCRIPT as `__main__` with the same argv, so an unmodified Megatron-LM /
-MindSpeed-LLM / example script trains with the monitor on. Megatron-LM's own parser learns our flags
-through the patched `parse_args`.
+run on CPU with gloo), applies the mindspeed-proxy patches (the monitor is enabled when
+--enable-mechanism-monitor is among the flags), then runs SCRIPT as `__main__` with the same argv,
+so an unmodified Megatron-LM / MindSpeed-LLM / example script trains with the monitor on.
+Megatron-LM's own parser learns our flags through the patched `parse_args`.
 """
 import os
 import runpy

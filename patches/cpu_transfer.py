@@ -13,6 +13,11 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
 - `moe_utils.te_general_gemm` defined as None when Transformer Engine is absent; an eager
   `grouped_gemm.ops.gmm` for the legacy GroupedMLP; the alltoall dispatcher's device-to-host copy
   of split sizes (a no-op on CPU that must still return numpy when asked).
+- `torch.cuda.get_device_capability()` -> (8, 0), the capability the eager fallbacks stand in for.
+- Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
+  `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
+  legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
+  within GPU RNG context" warning, true by construction here, is filtered from its logger.
 
 Numerics are untouched: every remap changes where a tensor lives or answers a query, never a value.
 """
@@ -20,13 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches.registry import Patch, apply_feature, register
+from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register
 
 FEATURE = "cpu-platform"
+# megatron-core versions (= Megatron-LM core_vX.Y tags) the Megatron-LM training rows below are
+# written for: the patched call sites have the same shape in core_v0.12.0 .. core_v0.16.1 (read in
+# their source); end to end they were run on core_v0.16.1 (tests/test_megatron_lm.py).
+MEGATRON_LM_SUPPORTED = MEGATRON_CORE_SUPPORTED
 
 _FACTORIES = (
     "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "rand", "randn",
@@ -255,6 +265,28 @@ def _class(cls):
     return lambda _original: cls
 
 
+def _allow_no_cuda(original):
+    """Megatron-LM's `initialize_megatron` asserts `torch.cuda.is_available()` unless its own
+    `allow_no_cuda=True` is passed; on the CPU platform pass it (nothing else in the call changes)."""
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _no_fused_kernels(_original):
+    """Megatron-LM's legacy `fused_kernels.load(args)` probes `$CUDA_HOME/bin/nvcc` (CUDA_HOME is None
+    without CUDA) to build CUDA kernels; on CPU there is nothing to build and the eager paths are used."""
+
+    def load(args=None):
+        return None
+
+    return load
+
+
 def _register_all() -> None:
     for name in _FACTORIES:
         register(Patch(f"torch:{name}", _factory, FEATURE, versions="", optional=True))
@@ -283,6 +315,12 @@ def _register_all() -> None:
     ]
     for attr, build in cuda_rows:
         register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=""))
+    # `torch.cuda.get_device_capability()` raises on a CPU-only torch; Megatron-LM's validate_args
+    # asserts >= (8, 0) for --moe-grouped-gemm (grouped GEMM here is the eager CPUGroupedGemmOps /
+    # torch path). Answer (8, 0): what the eager fallbacks stand in for, below the 8.9 that FP8 paths
+    # and the 10.x that Blackwell-only paths (e.g. cuda_graphs) key on, so neither is enabled.
+    register(Patch("torch:cuda.get_device_capability", _const((8, 0)), FEATURE, versions="",
+                   description="CPU answers compute capability (8, 0): eager fallbacks only"))
     megatron_rows = [
         ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),
         ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _megatron_get_rng_state, False),
@@ -296,9 +334,39 @@ def _register_all() -> None:
     ]
     for target, build, optional in megatron_rows:
         register(Patch(target, build, FEATURE, optional=optional))
+    # Megatron-LM training internals (megatron.training / megatron.legacy): only present when a
+    # Megatron-LM checkout is on the path, so every row is optional; gated by MEGATRON_LM_SUPPORTED.
+    megatron_lm_rows = [
+        # `assert torch.cuda.is_available(), "Megatron requires CUDA."` at the top of
+        # initialize_megatron: pass Megatron-LM's own allow_no_cuda=True. Both the defining module
+        # and training.py's imported name (what `pretrain()` calls) are remapped.
+        ("megatron.training.initialize:initialize_megatron", _allow_no_cuda),
+        ("megatron.training.training:initialize_megatron", _allow_no_cuda),
+        # _compile_dependencies() calls fused_kernels.load(), which shells out to
+        # $CUDA_HOME/bin/nvcc; CPU has no CUDA kernels to build -> no-op.
+        ("megatron.legacy.fused_kernels:load", _no_fused_kernels),
+    ]
+    for target, build in megatron_lm_rows:
+        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=True,
+                       description=(build.__doc__ or "").strip().splitlines()[0]))
+
+
+class _SameGeneratorFilter(logging.Filter):
+    """Drops megatron-core's "CPU RNG state changed within GPU RNG context" warning, and only it.
+
+    `CudaRNGStatesTracker.fork()` warns when the CPU generator moved inside a fork of the CUDA one.
+    On the CPU platform the "CUDA" generator *is* the CPU generator (rows above), so every random op
+    inside a fork (dropout, init) moves it by construction: the warning carries no information here
+    and would be printed once per forward of every layer. Nothing else is filtered."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
 def install() -> list[str]:
     """Install the transfer-to-CPU layer once; return the targets patched by this call."""
     _register_all()
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    if not any(isinstance(f, _SameGeneratorFilter) for f in logger.filters):
+        logger.addFilter(_SameGeneratorFilter())
     return apply_feature(FEATURE)

@@ -30,7 +30,7 @@ def _fault(name: str):
 
 
 def _upcoming_step() -> int:
-    return (RUNTIME.iteration or 0) + 1
+    return RUNTIME.current_step()
 
 
 def get_lr_wrapper(original):

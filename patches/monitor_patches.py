@@ -26,7 +26,7 @@ def attach_monitor(optimizer, monitor) -> None:
     @functools.wraps(original_step)
     def step(*args, **kwargs):
         result = original_step(*args, **kwargs)
-        iteration = RUNTIME.next_iteration()
+        iteration = RUNTIME.step_done()
         success = result[0] if isinstance(result, tuple) else bool(result)
         if success and monitor is not None:
             monitor.after_optimizer_step(iteration)

@@ -15,15 +15,25 @@ class MonitorRuntime:
         self.tensorboard_writer = None
         self.wandb_writer = None
 
-    def next_iteration(self) -> int:
-        """Megatron's 1-based number of the step that just ran (Megatron-LM's args.iteration + 1 when
-        Megatron-LM drives training and no start was set, else our own counter)."""
+    def current_step(self) -> int:
+        """1-based number of the optimizer step in progress (or just finished, inside its step()).
+
+        When Megatron-LM drives training and no start was set, its own counter: `train()` publishes
+        the 0-based step as `args.curr_iteration` before each `train_step` (`args.iteration` is only
+        the start iteration; core_v0.12-0.16 training.py). Otherwise our counter of finished steps + 1.
+        """
         if self.iteration is None:
-            args = megatron_lm_args()
-            if args is not None:
-                return (getattr(args, "iteration", 0) or 0) + 1
-        self.iteration = (self.iteration or 0) + 1
-        return self.iteration
+            current = getattr(megatron_lm_args(), "curr_iteration", None)
+            if isinstance(current, int):
+                return current + 1
+        return (self.iteration or 0) + 1
+
+    def step_done(self) -> int:
+        """Record that an optimizer step finished; return its 1-based number."""
+        number = self.current_step()
+        if self.iteration is not None or megatron_lm_args() is None:
+            self.iteration = number
+        return number
 
     def reset(self) -> None:
         """Forget the monitor (tests, or a second model in the same process)."""
