@@ -10,6 +10,8 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
 - The CUDA RNG state (`torch.cuda.get/set_rng_state`, `manual_seed`, Megatron's RNG tracker) -> the
   CPU generator, so Megatron's `get_cuda_rng_tracker().fork()` swaps CPU generator states.
 - `Tensor.type()` of a CPU float tensor -> the `torch.cuda.*Tensor` string Megatron's optimizers check.
+- gloo collectives with unequal pieces (megatron's variable-size gather / reduce-scatter of the
+  alltoall dispatcher at TP>1): padded all_gather, all-reduce-based reduce_scatter.
 - `moe_utils.te_general_gemm` defined as None when Transformer Engine is absent; an eager
   `grouped_gemm.ops.gmm` for the legacy GroupedMLP; the alltoall dispatcher's device-to-host copy
   of split sizes (a no-op on CPU that must still return numpy when asked).
@@ -257,6 +259,45 @@ def _host_copy(_original):
     return maybe_move_tensor_to_cpu
 
 
+def _uneven_all_gather(original):
+    """gloo's all_gather needs equal shapes; megatron's variable-size gather (alltoall dispatcher with
+    TP>1) passes unequal ones: pad each piece to the largest first dimension, gather, trim."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list}
+        if len(shapes) == 1 and tuple(tensor.shape) in shapes:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        buffers = [tensor.new_empty(padded.shape) for _ in tensor_list]
+        work = original(buffers, padded, group=group, async_op=False)
+        for out, buf in zip(tensor_list, buffers):
+            out.copy_(buf[: out.shape[0]])
+        return work
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(original):
+    """gloo has no variable-size reduce_scatter: all-reduce the concatenation, keep this rank's piece."""
+
+    @functools.wraps(original)
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in input_list}
+        if len(shapes) == 1:
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        full = torch.cat([t.reshape(t.shape[0], -1) for t in input_list])
+        torch.distributed.all_reduce(full, op=op, group=group)
+        rank = torch.distributed.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(full[start:start + output.shape[0]].view_as(output))
+        return None
+
+    return reduce_scatter
+
+
 def _fallback(value):
     return lambda original: original if original is not None else value
 
@@ -315,6 +356,8 @@ def _register_all() -> None:
     ]
     for attr, build in cuda_rows:
         register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=""))
+    register(Patch("torch.distributed:all_gather", _uneven_all_gather, FEATURE, versions=""))
+    register(Patch("torch.distributed:reduce_scatter", _uneven_reduce_scatter, FEATURE, versions=""))
     # `torch.cuda.get_device_capability()` raises on a CPU-only torch; Megatron-LM's validate_args
     # asserts >= (8, 0) for --moe-grouped-gemm (grouped GEMM here is the eager CPUGroupedGemmOps /
     # torch path). Answer (8, 0): what the eager fallbacks stand in for, below the 8.9 that FP8 paths
