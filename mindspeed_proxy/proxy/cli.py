@@ -24,8 +24,12 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
     p.add_argument("--representative", choices=["medoid", "usage"], default="medoid")
     p.add_argument("--calibration-data", default=None, metavar="PATH")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--selection", choices=["cluster", "random"], default="cluster",
-                   help="random: the baseline (K experts drawn per layer with --seed) instead of clustering")
+    p.add_argument("--selection", choices=["cluster", "random", "usage"], default="cluster",
+                   help="random: the baseline (K experts drawn per layer with --seed) instead of clustering; "
+                        "usage: the K most-used experts per layer (needs --usage-file)")
+    p.add_argument("--usage-file", default=None, metavar="FILE",
+                   help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
+                        "and --representative usage")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (after verification)")
     return p
@@ -40,7 +44,8 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
 
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
                       features=args.features, cluster=args.cluster, representative=args.representative,
-                      seed=args.seed, selection=args.selection)
+                      seed=args.seed, selection=args.selection,
+                      usage_file=args.usage_file)
     try:
         convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
                 overwrite=args.overwrite)

@@ -59,8 +59,7 @@ def representatives(labels: np.ndarray, dist: np.ndarray, rule: str,
         members = np.flatnonzero(labels == cluster)
         if rule == "usage":
             if usage is None:
-                raise ConversionError("--representative usage needs expert usage counts (--features FILE or "
-                                      "--calibration-data)")
+                raise ConversionError("--representative usage needs expert usage counts (--usage-file FILE)")
             score = -np.asarray(usage, dtype=np.float64)[members]
         else:
             score = dist[np.ix_(members, members)].sum(axis=1)
@@ -92,14 +91,31 @@ def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative",
             "distances": _summary(labels, dist, kept)}
 
 
-def random_selection(similarity: np.ndarray, k: int, seed: int, num_groups: Optional[int] = None) -> dict:
-    """Baseline: K/groups experts drawn at random in each group (seeded); others labelled by nearest kept."""
+def random_selection(similarity: np.ndarray, k: int, seed, num_groups: Optional[int] = None) -> dict:
+    """Baseline: K/groups experts drawn at random in each group; others labelled by nearest kept.
+
+    `seed` is an int or a tuple such as (seed, layer): numpy's SeedSequence mixes the parts, so
+    consecutive seeds do not reuse each other's draws shifted by one layer."""
     n = similarity.shape[0]
     groups = num_groups or 1
     size, per = n // groups, k // groups
     rng = np.random.default_rng(seed)
     kept = sorted(int(g * size + i) for g in range(groups) for i in rng.choice(size, per, replace=False))
     return _assign_to_kept(similarity, kept, groups)
+
+
+def usage_selection(similarity: np.ndarray, k: int, usage, num_groups: Optional[int] = None) -> dict:
+    """Baseline: the K/groups most-used experts of each group (ties -> lower id); others labelled by nearest kept."""
+    n = similarity.shape[0]
+    groups = num_groups or 1
+    size, per = n // groups, k // groups
+    counts = np.asarray(usage, dtype=np.float64)
+    kept = []
+    for g in range(groups):
+        idx = np.arange(g * size, (g + 1) * size)
+        order = np.lexsort((idx, -counts[idx]))  # most used first, then lower id
+        kept += [int(idx[i]) for i in order[:per]]
+    return _assign_to_kept(similarity, sorted(kept), groups)
 
 
 def _assign_to_kept(similarity: np.ndarray, kept: list, groups: int) -> dict:

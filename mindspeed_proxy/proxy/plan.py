@@ -24,7 +24,8 @@ class Options:
     cluster: str = "agglomerative"
     representative: str = "medoid"
     seed: int = 0
-    selection: str = "cluster"  # or "random": the baseline of the same K
+    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used
+    usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
 
 
 @dataclass
@@ -73,19 +74,46 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
     target = target_layout(source, options.target_ep, options.target_k)
     plan = Plan(source=source, target=target, options=options)
     plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
+    if (options.selection == "usage" or options.representative == "usage") and not usage:
+        raise ConversionError("--selection usage / --representative usage need --usage-file FILE")
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
         sim = features.weight_similarity(ckpt, layer)
         if options.selection == "random":
-            result = clustering.random_selection(sim, options.target_k, options.seed + index, rules["num_groups"])
+            result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
+        elif options.selection == "usage":
+            result = clustering.usage_selection(sim, options.target_k, usage[layer], rules["num_groups"])
         else:
             result = clustering.cluster_layer(sim, options.target_k, options.cluster, options.seed,
-                                              rules["num_groups"], options.representative)
+                                              rules["num_groups"], options.representative, usage.get(layer))
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
+
+
+def read_usage(path: str, layers, num_experts: int) -> dict:
+    """{MoELayer: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"--usage-file {path}: cannot read JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"--usage-file {path}: expected an object {{layer: [count per expert]}}")
+    out = {}
+    for layer in layers:
+        counts = raw.get(str(layer.global_layer))
+        if not isinstance(counts, list) or len(counts) != num_experts or \
+                not all(isinstance(c, (int, float)) and c >= 0 for c in counts):
+            raise ConversionError(f"--usage-file {path}: layer {layer.global_layer} needs a list of "
+                                  f"{num_experts} non-negative counts")
+        out[layer] = counts
+    return out
 
 
 def _nbytes(value) -> int:
