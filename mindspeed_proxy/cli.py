@@ -4,6 +4,8 @@ import sys
 COMMANDS = {
     "convert": ("mindspeed_proxy.proxy.cli", "prune a Megatron MoE checkpoint into a proxy (convert_to_proxy.py)"),
     "patches": ("mindspeed_proxy.patches.__main__", "list the patch registry (--list)"),
+    "report": ("mindspeed_proxy.report.cli", "plots + summary of a run dir (RUN_DIR [--out DIR])"),
+    "compare": ("mindspeed_proxy.report.compare_cli", "consistency of two run dirs (RUN_A RUN_B)"),
 }
 
 

@@ -1,0 +1,123 @@
+"""`report` and `compare` on small runs recorded by this test (1 rank, tiny MoE, mechanism monitor on).
+
+Runs: `alerting` uses a deliberately sensitive monitor config (detect_start 4, warm-up 4, z 3, persistence 1)
+plus an lr-spike fault from step 20, so alerts and a divergence happen within 40 steps; `quiet` uses the
+default detector (detect_start 100) for 16 steps, so it cannot alert. `derived` is a COPY of `quiet` with
+synthetic step records appended to its metrics.jsonl (a derived fixture, not hand-written data).
+"""
+import json
+import math
+import shutil
+import statistics
+
+import pytest
+
+from mindspeed_proxy.report.divergence import DivergenceRule
+from mindspeed_proxy.report.report import make_report
+from mindspeed_proxy.report.compare import compare_runs
+from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.training.loop import train
+
+SENSITIVE = """interval: 2
+delta: 2
+router_interval: 2
+detect_start: 4
+detector: {warmup: 4, z_threshold: 3.0, persistence: 1, cusum: true}
+router_detector: {warmup: 4, z_threshold: 3.0, persistence: 1}
+"""
+
+
+def record(log_dir, iters, *extra):
+    """Train the tiny MoE on one spawned rank with the monitor on; return the run dir."""
+    argv = ["--num-layers", "2", "--train-iters", str(iters), "--lr-warmup-iters", "2", "--log-dir", str(log_dir),
+            "--enable-mechanism-monitor", *extra]
+    assert run_distributed(train, 1, argv, timeout=240)[0] in (0, None)
+    return log_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    (root / "cfg.yaml").write_text(SENSITIVE)
+    alerting = record(root / "alerting", 40, "--mechanism-monitor-config", str(root / "cfg.yaml"),
+                      "--inject-fault", "lr-spike:start=20,x=100")
+    quiet = record(root / "quiet", 16, "--mechanism-monitor-interval", "4", "--mechanism-monitor-delta", "2")
+    return {"alerting": alerting, "quiet": quiet, "root": root}
+
+
+def jsonl(path):
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def independent_divergence(steps, rule):
+    """The documented rule, re-implemented here from the raw step records."""
+    lmin, grads = math.inf, []
+    for i, r in enumerate(steps):
+        loss, gn = float(r["loss"]), float(r["grad_norm"])
+        if not math.isfinite(loss):
+            return r["iteration"]
+        if i >= rule.warmup and (loss > rule.loss_factor * lmin or
+                                 (grads and gn > rule.grad_factor * statistics.median(grads))):
+            return r["iteration"]
+        lmin = min(lmin, loss)
+        grads.append(gn)
+    return None
+
+
+def expected_lead(run_dir):
+    steps = [r for r in jsonl(run_dir / "metrics.jsonl") if r["type"] == "step"]
+    alerts = [r for r in jsonl(run_dir / "mechanism_monitor" / "monitor.jsonl") if r["type"] == "alert"]
+    div = independent_divergence(steps, DivergenceRule())
+    first = min((a["step"] for a in alerts), default=None)
+    return div, first, (None if div is None or first is None else div - first)
+
+
+def test_report_writes_plots_and_the_lead_time_matches_the_jsonl(runs, tmp_path):
+    summary = make_report(runs["alerting"], tmp_path / "rep")
+    pngs = sorted((tmp_path / "rep").glob("*.png"))
+    assert len(pngs) == 7 and all(p.stat().st_size > 1000 for p in pngs)
+    div, first, lead = expected_lead(runs["alerting"])
+    assert first is not None and div is not None, "the recorded run should alert and diverge"
+    assert (summary["divergence_step"], summary["first_alert"]["step"], summary["lead_time"]) == (div, first, lead)
+    on_disk = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    assert on_disk["lead_time"] == lead and on_disk["divergence_rule"]["loss_factor"] == DivergenceRule().loss_factor
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert f"lead time (divergence step − first alert step): {lead}" in md and "mechanism:" in md
+
+
+def test_run_without_alerts_says_so_and_synthetic_divergence_is_found(runs, tmp_path):
+    summary = make_report(runs["quiet"], tmp_path / "rep")
+    assert summary["alerts"] == 0 and summary["lead_time"] is None
+    assert "first alert: no alerts" in (tmp_path / "rep" / "summary.md").read_text()
+    derived = tmp_path / "derived"  # derived fixture: a copy of the recorded run plus synthetic NaN-loss steps
+    shutil.copytree(runs["quiet"], derived)
+    last = [r for r in jsonl(derived / "metrics.jsonl") if r["type"] == "step"][-1]
+    with open(derived / "metrics.jsonl", "a") as f:
+        for k, loss in ((1, last["loss"]), (2, float("nan"))):
+            f.write(json.dumps({**last, "iteration": last["iteration"] + k, "loss": loss}) + "\n")
+    s2 = make_report(derived, tmp_path / "rep2")
+    assert s2["divergence_step"] == expected_lead(derived)[0] == last["iteration"] + 2
+    assert s2["lead_time"] is None and "no alerts" in (tmp_path / "rep2" / "summary.md").read_text()
+
+
+def test_compare_of_a_run_with_itself_is_consistent(runs, capsys):
+    from mindspeed_proxy.cli import main
+
+    result = compare_runs(runs["alerting"], runs["alerting"])
+    assert result["loss"]["pearson"] == pytest.approx(1.0) and result["verdict"] == "consistent"
+    assert all(c["pearson"] == pytest.approx(1.0) for c in result["families"].values() if c["pearson"] is not None)
+    assert main(["compare", str(runs["alerting"]), str(runs["quiet"])]) == 0
+    assert "verdict:" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
+    from mindspeed_proxy.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert main(["report", str(empty), "--out", str(tmp_path / "out")]) == 2
+    assert main(["compare", str(empty), str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("error:" in line for line in err)
+    assert not (tmp_path / "out").exists() and list(empty.iterdir()) == []
