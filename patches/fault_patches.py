@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from mindspeed_proxy.patches.registry import Patch, register
+from mindspeed_proxy.patches.registry import Patch, register, register_wrappers
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 FEATURE = "fault-injection"
@@ -165,9 +165,7 @@ def register_all() -> None:
         ("megatron.training.training:get_num_microbatches", get_num_microbatches_wrapper, True),
         ("megatron.training.training:get_current_global_batch_size", get_current_global_batch_size_wrapper, True),
     ]
-    for target, build, optional in rows:
-        register(Patch(target, build, FEATURE, optional=optional,
-                       description=(build.__doc__ or "").strip().splitlines()[0]))
+    register_wrappers(rows, FEATURE)
     register(Patch("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
                    core_attention_forward_wrapper, LOWP_FEATURE,
                    description=core_attention_forward_wrapper.__doc__.strip().splitlines()[0]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from mindspeed_proxy.patches.registry import Patch, register
+from mindspeed_proxy.patches.registry import register_wrappers
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 FEATURE = "mechanism-monitor"
@@ -97,6 +97,4 @@ def register_all() -> None:
         ("megatron.training.arguments:parse_args", parse_args_wrapper, True),
         ("megatron.training.initialize:parse_args", parse_args_wrapper, True),
     ]
-    for target, build, optional in rows:
-        register(Patch(target, build, FEATURE, optional=optional,
-                       description=(build.__doc__ or "").strip().splitlines()[0]))
+    register_wrappers(rows, FEATURE)

@@ -46,6 +46,13 @@ def register(patch: Patch) -> Patch:
     return patch
 
 
+def register_wrappers(rows, feature: str) -> None:
+    """Register (target, wrapper builder, optional) rows of `feature`; the builder's docstring describes it."""
+    for target, build, optional in rows:
+        register(Patch(target, build, feature, optional=optional,
+                       description=(build.__doc__ or "").strip().splitlines()[0]))
+
+
 def table() -> list[Patch]:
     """Return every registered patch, in registration order."""
     return list(_REGISTRY)

@@ -121,7 +121,7 @@ class Trainer:
 
         self.model_cfg, self.cfg = model_cfg, train_cfg
         self.config = transformer_config(model_cfg)
-        self.num_microbatches = num_microbatches(train_cfg)
+        num_microbatches(train_cfg)  # refuses a global batch that does not split evenly
         init_microbatch_calculator(train_cfg)
         model = build_model(model_cfg, self.config)
         if init_fn is None:  # Megatron's CPU init repeats the experts of each EP rank: draw per global name
