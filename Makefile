@@ -18,8 +18,7 @@ $(STAMP): setup.py Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_moe.py --expert-model-parallel-size 2 \
-	    --train-iters 300 --log-interval 25 --save runs/demo/ckpt --save-interval 300 --ckpt-format torch
+	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

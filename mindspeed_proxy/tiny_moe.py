@@ -107,14 +107,15 @@ def transformer_config(cfg: TinyMoEConfig):
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(config):
-    """Return megatron's local GPT decoder block spec for `config`, with SP-capable norms."""
+def layer_spec(config, vp_stage: Optional[int] = None):
+    """Return megatron's local GPT decoder block spec for `config` (model chunk `vp_stage`), with SP-capable norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from mindspeed_proxy.norms import with_sequence_parallel_norms
 
     return with_sequence_parallel_norms(
-        get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                   vp_stage=vp_stage)
     )
 
 
@@ -128,7 +129,7 @@ def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None)
     post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pre,

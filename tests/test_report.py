@@ -121,3 +121,18 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all("error:" in line for line in err)
     assert not (tmp_path / "out").exists() and list(empty.iterdir()) == []
+
+
+def test_summary_html_embeds_every_plot_and_heatmaps_are_optional(runs, tmp_path):
+    import re
+
+    summary = make_report(runs["alerting"], tmp_path / "rep")
+    page = (tmp_path / "rep" / "summary.html").read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(srcs) == sorted(summary["plots"]) and len(srcs) == 7
+    assert all((tmp_path / "rep" / s).stat().st_size > 1000 for s in srcs)
+    assert f"<li>lead time (divergence step − first alert step): {summary['lead_time']}</li>" in page
+    assert page.count("<table>") == 1 and "<th>family</th>" in page
+    lean = make_report(runs["alerting"], tmp_path / "lean", heatmaps=False)
+    assert lean["plots"] == [p for p in summary["plots"] if "heatmap" not in p] and len(lean["plots"]) == 4
+    assert not list((tmp_path / "lean").glob("*heatmap*"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Optional
@@ -19,20 +20,55 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
     p.add_argument("--target-expert-parallel-size", type=int, required=True, metavar="EP2")
     p.add_argument("--target-num-experts", type=int, required=True, metavar="K")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's iteration")
-    p.add_argument("--features", default="weights", help="weights (data-free) | outputs | FILE")
+    p.add_argument("--features", default="weights", metavar="weights|outputs|FILE",
+                   help="weights: data-free (flattened expert weights + router row, default); outputs: mean "
+                        "expert output on --calibration-data tokens (the original model is run on CPU); FILE: "
+                        'per-layer features collected during training, .npz or .pt mapping "<global layer>" -> '
+                        "[E, D] array (docs/proxy.md)")
     p.add_argument("--cluster", choices=["agglomerative", "kmeans"], default="agglomerative")
     p.add_argument("--representative", choices=["medoid", "usage"], default="medoid")
-    p.add_argument("--calibration-data", default=None, metavar="PATH")
+    p.add_argument("--calibration-data", default=None, metavar="PATH",
+                   help="tokens for --features outputs: a Megatron indexed dataset prefix (PATH.bin/.idx), or a "
+                        ".npy / .pt integer array [N, S] of token ids; the router's counts on them also serve "
+                        "--representative usage and --selection usage when no --usage-file is given")
+    p.add_argument("--calibration-sequences", type=int, default=64, metavar="N",
+                   help="use the first N calibration sequences (default 64)")
+    p.add_argument("--save-features", default=None, metavar="FILE.npz",
+                   help="also write the outputs / FILE features used to FILE.npz (reusable as --features FILE; "
+                        "written even with --dry-run)")
+    p.add_argument("--keep-optimizer-args", action="store_true",
+                   help="keep opt_param_scheduler and print launch flags without --finetune, so the proxy "
+                        "resumes at the source's iteration and consumed samples (optimizer moments and RNG "
+                        "are always dropped); default: a fresh start with --finetune")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--selection", choices=["cluster", "random", "usage"], default="cluster",
                    help="random: the baseline (K experts drawn per layer with --seed) instead of clustering; "
-                        "usage: the K most-used experts per layer (needs --usage-file)")
+                        "usage: the K most-used experts per layer (needs --usage-file, or --features outputs with "
+                        "--calibration-data)")
     p.add_argument("--usage-file", default=None, metavar="FILE",
                    help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
-                        "and --representative usage")
+                        "and --representative usage (takes precedence over calibration counts)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (after verification)")
     return p
+
+
+def _check_save_features(args, options) -> None:
+    path = args.save_features
+    if path is None:
+        return
+    if options.feature_type == "weights":
+        raise ConversionError("--save-features needs --features outputs or FILE (weight features are not vectors)")
+    if not path.endswith(".npz"):
+        raise ConversionError(f"--save-features {path}: the name must end in .npz")
+    if os.path.exists(path) and not args.overwrite:
+        raise ConversionError(f"--save-features {path} already exists (pass --overwrite to replace it)")
+    from mindspeed_proxy.proxy.convert import _inside
+
+    if _inside(path, args.load):
+        raise ConversionError(f"--save-features {path} is inside --load {args.load}: the source is never written")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConversionError(f"--save-features {path}: parent folder does not exist")
 
 
 def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
@@ -45,10 +81,18 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
                       features=args.features, cluster=args.cluster, representative=args.representative,
                       seed=args.seed, selection=args.selection,
-                      usage_file=args.usage_file)
+                      usage_file=args.usage_file, calibration_data=args.calibration_data,
+                      calibration_sequences=args.calibration_sequences,
+                      keep_optimizer_args=args.keep_optimizer_args)
     try:
-        convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
-                overwrite=args.overwrite)
+        _check_save_features(args, options)
+        plan = convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
+                       overwrite=args.overwrite)
+        if args.save_features:
+            from mindspeed_proxy.proxy.features import write_features_file
+
+            write_features_file(args.save_features, plan.vectors)
+            print(f"features written to {args.save_features}")
     except ConversionError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

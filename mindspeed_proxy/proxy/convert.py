@@ -1,15 +1,18 @@
 """Convert a Megatron MoE checkpoint into a proxy: plan, write to a temporary folder, verify, rename."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
+import threading
 from typing import Callable, Optional
 
+from mindspeed_proxy.proxy import pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint, resolve_iteration, write_legacy
-from mindspeed_proxy.proxy.manifest import build_manifest, sha256, write_manifest
+from mindspeed_proxy.proxy.manifest import build_manifest, write_manifest
 from mindspeed_proxy.proxy.plan import Options, describe, launch_flags, make_plan
 from mindspeed_proxy.proxy.verify import verify_legacy
 
@@ -71,13 +74,62 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
             ckpt.close()
 
 
+class SourceHasher:
+    """SHA-256 of every source file, computed on a background thread while the plan is made and the
+    proxy written (hashlib and file reads release the GIL), instead of as a separate pass."""
+
+    def __init__(self, paths: list, block: int = 8 << 20):
+        self.hashes: dict = {}
+        self._error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(paths), block), daemon=True)
+        self._thread.start()
+
+    def _run(self, paths: list, block: int) -> None:
+        try:
+            buffer = bytearray(block)
+            view = memoryview(buffer)
+            for path in paths:
+                digest = hashlib.sha256()
+                with open(path, "rb", buffering=0) as fh:
+                    while not self._stop.is_set() and (n := fh.readinto(buffer)):
+                        digest.update(view[:n])
+                if self._stop.is_set():
+                    return
+                self.hashes[path] = digest.hexdigest()
+        except BaseException as exc:  # reported by result()
+            self._error = exc
+
+    def result(self) -> dict:
+        """{path: hex SHA-256} once every file is hashed; ConversionError if a file could not be read."""
+        self._thread.join()
+        if self._error is not None:
+            raise ConversionError(f"hashing the source failed: {self._error}")
+        return self.hashes
+
+    def cancel(self) -> None:
+        """Stop hashing (at the next block) and wait for the thread."""
+        self._stop.set()
+        self._thread.join()
+
+
 def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable):
+    pages.register(*ckpt.file_paths())  # source pages read through mmap are dropped once used
+    hasher = None if dry_run else SourceHasher(ckpt.file_paths())
+    try:
+        return _write(ckpt, save, options, dry_run, echo, hasher)
+    finally:
+        if hasher is not None:
+            hasher.cancel()
+        pages.unregister_all()
+
+
+def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, hasher):
     plan = make_plan(ckpt, options, progress=_progress("clustering"))
     echo(describe(plan))
     if dry_run:
         echo("dry run: nothing written")
         return plan
-    hashes = {p: sha256(p) for p in ckpt.file_paths()}
     parent, base = os.path.split(os.path.abspath(save))
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
@@ -90,7 +142,7 @@ def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: C
         else:
             write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
             verification = verify_legacy(ckpt, plan, tmp)
-        write_manifest(tmp, build_manifest(ckpt, plan, hashes, verification, ckpt.format))
+        write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
         if os.path.exists(save):
             shutil.rmtree(save)
         os.rename(tmp, save)

@@ -27,6 +27,8 @@ STACKED = "decoder.layers."
 EXPERTS = "decoder.layers.mlp.experts."
 ROUTER = "decoder.layers.mlp.router."
 _OBJECT = re.compile(r"^(.+)/shard_([\d.]+)_([\d.]+)$")
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_PER_LAYER_MOE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(experts|router)\.")
 _OWN_GROUP = []
 
 
@@ -56,9 +58,30 @@ def is_model_key(key: str) -> bool:
     return not key.startswith(("optimizer.", "rng_state"))
 
 
+def is_stacked(key: str) -> bool:
+    """True for `decoder.layers.*` keys stored with a leading layer axis (megatron's homogeneous layers)."""
+    return key.startswith(STACKED) and not _PER_LAYER.match(key)
+
+
+def key_layer(key: str) -> Optional[int]:
+    """Global layer of a per-layer key `decoder.layers.{l}.*` (non-homogeneous layers), else None."""
+    match = _PER_LAYER.match(key)
+    return int(match.group(1)) if match else None
+
+
 def is_sliced(key: str) -> bool:
-    """True for stacked tensors/objects with an expert axis 1: routed experts and router rows."""
-    return key.startswith(EXPERTS) or key.startswith(ROUTER)
+    """True for tensors/objects with an expert axis: routed experts and router rows, stacked or per layer."""
+    return key.startswith((EXPERTS, ROUTER)) or bool(_PER_LAYER_MOE.match(key))
+
+
+def expert_axis(key: str) -> int:
+    """The expert axis of a sliced key: 1 after the layer axis of a stacked key, else 0."""
+    return 1 if is_stacked(key) else 0
+
+
+def stacked_name(key: str) -> str:
+    """`decoder.layers.{l}.mlp.X` -> `decoder.layers.mlp.X` (the name of the same tensor when stacked)."""
+    return _PER_LAYER.sub(STACKED, key, count=1)
 
 
 def _dots(text: str) -> tuple:
@@ -136,7 +159,7 @@ class DistIndex:
                 if not is_model_key(key):
                     continue
                 self.tensors[key] = (tuple(item.size), item.properties.dtype)
-                if key.startswith(STACKED):
+                if is_stacked(key):
                     self.layers_of[key] = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
             elif is_model_key(key):
                 match = _OBJECT.match(key)
@@ -167,35 +190,61 @@ class DistCheckpoint:
             raise ConversionError(f"{self.folder}/common.pt: no 'args' recorded")
         self.args = common["args"]
         self.layout = layout_from_args(self.args)
-        E = self.layout.num_experts
-        per_layer = sorted(k for k in self.index.tensors if re.match(r"decoder\.layers\.\d+\.mlp\.(experts|router)\.", k))
-        if per_layer:
-            raise ConversionError(f"{self.folder}: unknown expert layout: per-layer keys such as {per_layer[0]!r} "
-                                  f"(only stacked {EXPERTS}* / {ROUTER}* global tensors are supported)")
-        router = ROUTER + "weight"
-        if router not in self.index.tensors:
-            raise ConversionError(f"--load {root}: no MoE layer ({router} missing) in the torch_dist checkpoint")
-        self.expert_keys = sorted(k for k in self.index.tensors if k.startswith(EXPERTS))
-        if not self.expert_keys:
-            raise ConversionError(f"{self.folder}: unknown expert layout: no {EXPERTS}* tensors")
-        moe = self.index.layers_of[router]
-        for key in self.expert_keys + [k for k in self.index.tensors if k.startswith(ROUTER)]:
-            shape = self.index.tensors[key][0]
-            if len(shape) < 2 or shape[1] != E:
-                raise ConversionError(f"{self.folder}: {key} has global shape {list(shape)}, expected [L, {E}, ...] "
-                                      f"for args num_experts = {E} (inconsistent experts between files and args)")
-            if self.index.layers_of[key] != moe:
-                raise ConversionError(f"{self.folder}: {key} is stored for layers {self.index.layers_of[key]}, "
-                                      f"the router for {moe}")
+        routers = sorted(k for k in self.index.tensors if k.endswith("mlp.router.weight"))
+        unknown = [k for k in routers if k != ROUTER + "weight" and not _PER_LAYER_MOE.match(k)]
+        if unknown:
+            raise ConversionError(f"{self.folder}: unknown expert layout: router {unknown[0]!r} outside "
+                                  "decoder.layers (e.g. multi-token-prediction layers) is not supported")
+        if not routers:
+            raise ConversionError(f"--load {root}: no MoE layer ({ROUTER}weight or decoder.layers.N.mlp.router."
+                                  "weight missing) in the torch_dist checkpoint")
+        if ROUTER + "weight" in routers and len(routers) > 1:
+            raise ConversionError(f"{self.folder}: unknown expert layout: both stacked {ROUTER}weight and "
+                                  f"per-layer {routers[0]!r}")
+        self.per_layer = ROUTER + "weight" not in routers
+        if self.per_layer:  # non-homogeneous layers (moe_layer_freq, hetero specs): one key per layer
+            moe = sorted(key_layer(k) for k in routers)
+        else:
+            moe = self.index.layers_of[ROUTER + "weight"]
+        self.sliced = {l: sorted(k for k in self.index.tensors if is_sliced(k) and
+                                 (key_layer(k) == l if self.per_layer else True)) for l in moe}
+        self._check_sliced(moe)
+        self.expert_keys = sorted(stacked_name(k) for k in self.sliced[moe[0]] if stacked_name(k).startswith(EXPERTS))
         self.layers = [MoELayer(0, "model", f"decoder.layers.{l}.mlp.", l) for l in moe]
         self._cache: dict = {}
 
+    def _check_sliced(self, moe: list) -> None:
+        E, names = self.layout.num_experts, None
+        for l in moe:
+            layer_names = sorted(stacked_name(k) for k in self.sliced[l])
+            if not any(n.startswith(EXPERTS) for n in layer_names):
+                raise ConversionError(f"{self.folder}: unknown expert layout: no {EXPERTS}* tensors"
+                                      + (f" for layer {l}" if self.per_layer else ""))
+            if names is not None and layer_names != names:
+                raise ConversionError(f"{self.folder}: MoE layer {l} stores {layer_names}, layer {moe[0]} {names}")
+            names = layer_names
+            for key in self.sliced[l]:
+                shape, axis = self.index.tensors[key][0], expert_axis(key)
+                if len(shape) <= axis or shape[axis] != E:
+                    want = f"[L, {E}, ...]" if axis else f"[{E}, ...]"
+                    raise ConversionError(f"{self.folder}: {key} has global shape {list(shape)}, expected {want} "
+                                          f"for args num_experts = {E} (inconsistent experts between files and args)")
+                if not self.per_layer and self.index.layers_of[key] != moe:
+                    raise ConversionError(f"{self.folder}: {key} is stored for layers {self.index.layers_of[key]}, "
+                                          f"the router for {moe}")
+
     def layer_slabs(self, layer: MoELayer) -> dict:
-        """{global key: [E, ...] tensor} of the expert and router tensors of `layer` (cached until release)."""
+        """{stacked key name: [E, ...] tensor} of the expert and router tensors of `layer` (cached until
+        release); per-layer keys are reported under their stacked names."""
         if layer not in self._cache:
-            keys = self.expert_keys + sorted(k for k in self.index.tensors if k.startswith(ROUTER))
-            requests = {k: slab_request(k, *self.index.tensors[k], layer.global_layer) for k in keys}
-            self._cache = {layer: {k: v[0] for k, v in read_regions(self.folder, requests).items()}}
+            keys = self.sliced[layer.global_layer]
+            if self.per_layer:
+                requests = {k: whole_request(k, *self.index.tensors[k]) for k in keys}
+                slabs = {stacked_name(k): v for k, v in read_regions(self.folder, requests).items()}
+            else:
+                requests = {k: slab_request(k, *self.index.tensors[k], layer.global_layer) for k in keys}
+                slabs = {k: v[0] for k, v in read_regions(self.folder, requests).items()}
+            self._cache = {layer: slabs}
         return self._cache[layer]
 
     def expert(self, layer: MoELayer, global_id: int, tp: int) -> dict:
@@ -228,11 +277,11 @@ class DistCheckpoint:
         for key, (shape, dtype) in self.index.tensors.items():
             shape = list(shape)
             if is_sliced(key):
-                shape[1] = plan.target.num_experts
+                shape[expert_axis(key)] = plan.target.num_experts
             numel = 1
             for s in shape:
                 numel *= s
-            if key.startswith(STACKED):
+            if is_stacked(key):
                 numel = numel // shape[0] * len(self.index.layers_of[key])
             total += numel * torch.empty((), dtype=dtype).element_size()
         return total
@@ -254,54 +303,39 @@ def proxy_objects(ckpt: DistCheckpoint, plan) -> dict:
         if not is_sliced(key):
             out[name] = (key, shape, offset, name)
             continue
-        if len(shape) != 2:
-            raise ConversionError(f"{ckpt.folder}: expert object {name} has shape {shape}, expected (L, E)")
-        kept = kept_of(plan, offset[0])
-        if offset[1] in kept:
-            new = (offset[0], kept.index(offset[1]))
-            new_shape = (shape[0], K)
-            out[f"{key}/shard_{new[0]}.{new[1]}_{new_shape[0]}.{new_shape[1]}"] = (key, new_shape, new, name)
+        layer = key_layer(key)
+        if len(shape) != (1 if layer is not None else 2):
+            raise ConversionError(f"{ckpt.folder}: expert object {name} has shape {shape}, expected "
+                                  f"{'(E,)' if layer is not None else '(L, E)'}")
+        kept = kept_of(plan, offset[0] if layer is None else layer)
+        if offset[-1] in kept:
+            new = offset[:-1] + (kept.index(offset[-1]),)
+            new_shape = shape[:-1] + (K,)
+            out[f"{key}/shard_{'.'.join(map(str, new))}_{'.'.join(map(str, new_shape))}"] = (key, new_shape, new, name)
     return out
 
 
 def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None) -> str:
-    """Write the proxy with megatron `dist_checkpointing.save` under `out_root`; return its iteration folder."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    """Write the proxy with megatron `dist_checkpointing.save` under `out_root`, one chunk in memory at a
+    time (see dist_writer); return its iteration folder."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from mindspeed_proxy import platform
+    from mindspeed_proxy.proxy.dist_writer import save_streaming
 
-    if platform.current() is None and not torch.cuda.is_available():
-        platform.activate("cpu")  # megatron's writer uses torch.cuda.synchronize / current_device
     ensure_group()
     index, model = ckpt.index, {}
-    for key, (shape, dtype) in sorted(index.tensors.items()):
-        if not key.startswith(STACKED):
-            data = read_regions(ckpt.folder, {key: whole_request(key, shape, dtype)})[key]
-            model[key] = ShardedTensor.from_rank_offsets(key, data.clone())
-            continue
-        for l in index.layers_of[key]:
-            data = read_regions(ckpt.folder, {key: slab_request(key, shape, dtype, l)})[key]
-            if is_sliced(key):
-                data = data.index_select(1, torch.tensor(kept_of(plan, l), dtype=torch.long))
-            model[f"{key}@{l}"] = ShardedTensor.from_rank_offsets(key, data.contiguous(), (0, l, shape[0]))
-        if progress:
-            progress(key)
     objects = proxy_objects(ckpt, plan)
     values = read_regions(ckpt.folder, index.object_requests(sorted({v[3] for v in objects.values()})))
     for name, (key, shape, offset, source) in objects.items():
         model[name] = ShardedObject(key, values[source], shape, offset, replica_id=0)
     common = index.common
-    state = {k: common[k] for k in KEPT_COMMON if k in common and k != "content_metadata"}
-    state.update(args=new_args, model=model)
+    from mindspeed_proxy.proxy.plan import kept_fields
+
+    state = {k: common[k] for k in kept_fields(KEPT_COMMON, plan.options) if k in common and k != "content_metadata"}
+    state["args"] = new_args
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     os.makedirs(folder)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dist_checkpointing.save(state, folder, content_metadata=common.get("content_metadata"))
-    except Exception as exc:
-        raise ConversionError(f"writing the torch_dist proxy failed: {type(exc).__name__}: {exc}") from None
+    save_streaming(ckpt, plan, state, model, folder, common.get("content_metadata"), progress)
     with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
         fh.write(str(ckpt.iteration))
     return folder

@@ -4,13 +4,19 @@
 cosine similarity. The Gram matrix is accumulated over column blocks of the flattened weights, so
 only an E x block slice is ever materialised; weights and router row get equal say (each part is
 unit-normalised before they are combined).
+`outputs` and features FILEs give one vector per expert ([E, D]), compared by cosine similarity
+(`similarity_from_vectors`); a FILE is read and validated by `read_features_file`.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 
-BLOCK_BYTES = 64 << 20
+from mindspeed_proxy.proxy import pages
+
+BLOCK_BYTES = 16 << 20  # the float64 block buffer (E x columns); source pages are dropped per block
 
 
 def _cosine(gram: np.ndarray) -> np.ndarray:
@@ -27,8 +33,12 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
         raise ValueError("experts of one layer have different sizes")
     block = max(1, block_bytes // (8 * n))
     gram = torch.zeros(n, n, dtype=torch.float64)
+    buffer = torch.empty(n, min(block, length), dtype=torch.float64)
     for start in range(0, length, block):
-        chunk = torch.stack([f[start:start + block].to(torch.float64) for f in flat])
+        chunk = buffer[:, :min(block, length - start)]
+        for i, f in enumerate(flat):
+            chunk[i].copy_(f[start:start + block])
+            pages.drop(f[start:start + block])  # memory-mapped source pages leave RSS once read
         gram += chunk @ chunk.T
     return gram.numpy()
 
@@ -57,3 +67,63 @@ def similarity_from_vectors(vectors: np.ndarray) -> np.ndarray:
     """Cosine similarity of the rows of `vectors` (E x D), e.g. mean expert outputs on calibration tokens."""
     v = np.asarray(vectors, dtype=np.float64)
     return similarity_from_parts([v @ v.T])
+
+
+def _load_features(path: str) -> dict:
+    from mindspeed_proxy.proxy.errors import ConversionError
+
+    if not path.endswith((".npz", ".pt")):
+        raise ConversionError(f"--features {path}: not 'weights' or 'outputs', and not a .npz / .pt features file")
+    if not os.path.isfile(path):
+        raise ConversionError(f"--features {path}: no such file (expected 'weights', 'outputs' or a features FILE)")
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as archive:
+                return {k: archive[k] for k in archive.files}
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt, truncated or pickled objects: refuse, never execute
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConversionError(f"--features {path}: cannot read ({type(exc).__name__}: {first})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"--features {path}: expected a mapping {{\"<global layer>\": [E, D] array}}, "
+                              f"found {type(raw).__name__}")
+    return {str(k): v.numpy() if isinstance(v, torch.Tensor) else v for k, v in raw.items()}
+
+
+def read_features_file(path: str, layers: list, num_experts: int) -> dict:
+    """{global layer: [E, D] float64} from a features FILE (.npz or .pt mapping "<global layer>" -> [E, D])."""
+    from mindspeed_proxy.proxy.errors import ConversionError
+
+    raw = _load_features(path)
+    wanted = {str(layer.global_layer) for layer in layers}
+    extra = sorted(set(raw) - wanted)
+    if extra:
+        raise ConversionError(f"--features {path}: key {extra[0]!r} is not a MoE layer of the checkpoint "
+                              f"(MoE layers: {', '.join(sorted(wanted, key=int))}; global 0-based numbering)")
+    out = {}
+    for layer in layers:
+        key = str(layer.global_layer)
+        if key not in raw:
+            raise ConversionError(f"--features {path}: no features for MoE layer {key}")
+        value = raw[key]
+        if not isinstance(value, np.ndarray) or value.ndim != 2 or value.shape[0] != num_experts \
+                or value.shape[1] < 1 or not np.issubdtype(value.dtype, np.number):
+            shape = list(value.shape) if isinstance(value, np.ndarray) else type(value).__name__
+            raise ConversionError(f"--features {path}: layer {key} needs a numeric array [{num_experts}, D], "
+                                  f"found {shape}")
+        value = value.astype(np.float64)
+        if not np.isfinite(value).all():
+            raise ConversionError(f"--features {path}: layer {key} holds non-finite values (nan/inf)")
+        out[layer.global_layer] = value
+    return out
+
+
+def write_features_file(path: str, vectors: dict) -> None:
+    """Write {global layer: [E, D]} as a features FILE (.npz, float64), atomically (temporary name, rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    try:
+        np.savez(tmp, **{str(k): np.asarray(v, dtype=np.float64) for k, v in vectors.items()})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -14,6 +14,7 @@ import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy import experts as X
+from mindspeed_proxy.proxy import pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, layout_from_args
 
@@ -21,6 +22,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 KEPT_FIELDS = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
                "num_floating_point_operations_so_far")
+SPILL_BYTES = 1 << 20
 _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -143,18 +145,17 @@ class LegacyCheckpoint:
 
     def _find_layers(self) -> list:
         L, layers = self.layout, []
-        num_layers = getattr(self.args, "num_layers", None)
         for pp in range(L.pp):
             for v, chunk in enumerate(self.chunks):
                 model = self.state(0, pp, 0)[chunk]
                 for key in model:
                     if key.endswith("mlp.router.weight"):
                         prefix = key[: -len("router.weight")]
-                        layers.append(MoELayer(pp, chunk, prefix, _global_layer(prefix, pp, v, L, num_layers,
+                        layers.append(MoELayer(pp, chunk, prefix, _global_layer(prefix, pp, v, L, self.args,
                                                                                   len(self.chunks))))
         if not layers:
             raise ConversionError(f"--load {self.root}: no MoE layer (no mlp.router.weight) in the model")
-        return layers
+        return sorted(layers, key=lambda l: (l.global_layer is None, l.global_layer or 0))  # VPP: v-major files
 
     def codec(self, layer: MoELayer):
         """The expert codec of `layer` (checked in every file when opening)."""
@@ -204,9 +205,18 @@ class LegacyCheckpoint:
         return sorted(out)
 
 
-def _global_layer(prefix: str, pp: int, v: int, L: Layout, num_layers, chunks: int) -> Optional[int]:
+_UNEVEN_PIPELINE = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                    "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                    "account_for_loss_in_pipeline_split")
+
+
+def _global_layer(prefix: str, pp: int, v: int, L: Layout, args, chunks: int) -> Optional[int]:
+    """Global layer of stage `pp`, chunk `v`'s `decoder.layers.{i}.` (even split; None when uneven/unknown)."""
     match = _LAYER.search(prefix)
+    num_layers = getattr(args, "num_layers", None)
     if not match or not num_layers or not prefix.startswith("decoder.") or num_layers % (L.pp * chunks):
+        return None
+    if any(getattr(args, name, None) for name in _UNEVEN_PIPELINE):
         return None
     per = num_layers // (L.pp * chunks)
     return v * L.pp * per + pp * per + int(match.group(1))
@@ -217,11 +227,15 @@ def router_rows(value: torch.Tensor, kept: list) -> torch.Tensor:
     return value.index_select(0, torch.tensor(kept, dtype=torch.long)).clone()
 
 
-def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp: int, pp: int, ep: int) -> dict:
+def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp: int, pp: int, ep: int,
+                     spill=None) -> dict:
     """The proxy's file (tp, pp, ep) as a state dict: non-expert entries from the source's EP rank 0,
-    router rows and experts of the kept ids, optimizer / RNG / rerun state left out."""
+    router rows and experts of the kept ids, optimizer / RNG / rerun state left out. Tensors built
+    here (router rows, regrouped experts) go through `spill` (e.g. to a file-backed copy) if given."""
     source = ckpt.state(tp, pp, 0)
-    out = {k: source[k] for k in KEPT_FIELDS if k in source}
+    from mindspeed_proxy.proxy.plan import kept_fields
+
+    out = {k: source[k] for k in kept_fields(KEPT_FIELDS, plan.options) if k in source}
     out["args"] = new_args
     for chunk in ckpt.chunks:
         model = dict(source[chunk])
@@ -234,11 +248,12 @@ def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp:
             for name in ("weight", "expert_bias", "bias"):
                 key = layer.prefix + "router." + name
                 if isinstance(model.get(key), torch.Tensor):
-                    model[key] = router_rows(model[key], kept)
+                    model[key] = _spilled(router_rows(model[key], kept), spill)
             local_ids = [target.global_id(ep, tp, j) for j in range(target.num_local_experts)]
             pieces = [ckpt.expert(layer, kept[g], tp) for g in local_ids]
-            built = codec.build(prefix, [{n: _own(t) for n, t in e.items()} for e in pieces])
-            model.update(built)
+            built = codec.build(prefix, pieces)
+            model.update({k: _spilled(_own(v), spill) for k, v in built.items()})
+            del built, pieces
         out[chunk] = model
     return out
 
@@ -250,9 +265,63 @@ def _own(value):
     return value
 
 
+def _spilled(value, spill):
+    """`value` through `spill` if it is a fresh (not file-mapped) tensor worth moving out of anonymous memory."""
+    if spill is None or not isinstance(value, torch.Tensor) or value.nbytes < SPILL_BYTES or pages.mapped(value):
+        return value
+    return spill(value)
+
+
+class _Spill:
+    """Copies fresh tensors into scratch files mapped shared, then drops their pages: what waits in the
+    state dict for torch.save is page cache, not process memory."""
+
+    def __init__(self, folder: str):
+        self.folder, self.count = folder, 0
+        os.makedirs(folder, exist_ok=True)
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        path = os.path.join(self.folder, f"{self.count}.bin")
+        self.count += 1
+        out = torch.from_file(path, shared=True, size=value.numel(), dtype=value.dtype).view(value.shape)
+        out.copy_(value)
+        pages.register(path)
+        pages.drop(out)
+        return out
+
+
+class _DropAfterWrite:
+    """The file object torch.save writes through: each record's bytes go to `fh`, then the pages they
+    were read from (a memory-mapped source or scratch file) leave this process's RSS."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data) -> int:
+        """Write `data` fully; drop its pages."""
+        n = self.fh.write(data)
+        pages.drop_buffer(data)
+        return n
+
+    def flush(self) -> None:
+        """Flush the underlying file."""
+        self.fh.flush()
+
+
+def save_streaming(state: dict, path: str) -> None:
+    """torch.save `state` to `path`, dropping each memory-mapped tensor's pages once it is written."""
+    with open(path, "wb") as fh:
+        torch.save(state, _DropAfterWrite(fh))
+
+
 def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, progress=None) -> list:
-    """Write every file of the proxy under `out_root` (tracker included); return the written paths."""
+    """Write every file of the proxy under `out_root` (tracker included); return the written paths.
+    Tensors stream from the mmapped sources to the file one at a time (their pages dropped after)."""
+    import shutil
+
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
+    scratch = os.path.join(out_root, ".scratch")
+    pages.register(*ckpt.files.values())
     written = []
     for tp in range(target.tp):
         for pp in range(target.pp):
@@ -260,7 +329,8 @@ def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_roo
                 rank_dir = os.path.join(folder, rank_dir_name(tp, pp, ep, target))
                 os.makedirs(rank_dir)
                 path = os.path.join(rank_dir, FILE)
-                torch.save(build_rank_state(ckpt, plan, target, new_args, tp, pp, ep), path)
+                save_streaming(build_rank_state(ckpt, plan, target, new_args, tp, pp, ep, _Spill(scratch)), path)
+                shutil.rmtree(scratch, ignore_errors=True)
                 ckpt.release()
                 written.append(path)
                 if progress:

@@ -33,12 +33,15 @@ def _versions() -> dict:
 def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str) -> dict:
     """The manifest as a JSON-able dict."""
     s, t = plan.source, plan.target
+    inputs = plan.inputs
+    calibration_usage = inputs.get("calibration_usage") or {}
     layers = []
     for layer, kept in plan.kept.items():
         d = plan.details[layer]
         layers.append({"layer": layer.global_layer, "pipeline_stage": layer.pp, "chunk": layer.chunk,
                        "prefix": layer.prefix, "kept_global_ids_in_new_order": kept,
-                       "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"]})
+                       "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"],
+                       "calibration_usage": calibration_usage.get(layer.global_layer)})
     return {
         "format": fmt,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -46,11 +49,17 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
                    "sha256": {os.path.relpath(p, ckpt.root): h for p, h in source_hashes.items()}},
         "versions": _versions(),
         "num_experts": {"source": s.num_experts, "proxy": t.num_experts},
+        "selection": plan.options.selection,
+        "feature_type": plan.options.feature_type,
         "features": plan.options.features,
         "cluster": plan.options.cluster,
         "representative": plan.options.representative,
+        "usage_source": inputs.get("usage_source"),
         "seed": plan.options.seed,
-        "calibration_fingerprint": None,
+        "calibration_fingerprint": _fingerprint(inputs),
+        "calibration_tokens": (inputs.get("calibration_data") or {}).get("tokens"),
+        "inputs": {k: inputs.get(k) for k in ("usage_file", "calibration_data", "features_file")},
+        "keep_optimizer_args": plan.options.keep_optimizer_args,
         "ep_mapping": {"source": {"expert_model_parallel_size": s.ep, "tp_extend_ep": s.tp_extend_ep,
                                   "global_id_to_rank_local": s.mapping()},
                        "proxy": {"expert_model_parallel_size": t.ep, "tp_extend_ep": t.tp_extend_ep,
@@ -58,10 +67,22 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
         "accelerators": {"source": s.world_size, "proxy": t.world_size},
         "args_diff": plan.args_diff,
         "dropped": (["optimizer.* tensors", "optimizer (common.pt)", "rng_state objects"] if fmt == "torch_dist"
-                    else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"]),
+                    else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"])
+        + ([] if plan.options.keep_optimizer_args else ["opt_param_scheduler"]),
         "layers": layers,
         "verification": verification,
     }
+
+
+def _fingerprint(inputs: dict):
+    """SHA-256 of the data beyond the weights that chose the experts: calibration token ids, else the
+    features FILE, else the usage file; None for data-free features."""
+    if inputs.get("calibration_data"):
+        return inputs["calibration_data"]["tokens_sha256"]
+    for key in ("features_file", "usage_file"):
+        if inputs.get(key):
+            return inputs[key]["sha256"]
+    return None
 
 
 def write_manifest(folder: str, manifest: dict) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -26,6 +27,14 @@ class Options:
     seed: int = 0
     selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used
     usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
+    calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
+    calibration_sequences: int = 64
+    keep_optimizer_args: bool = False  # keep opt_param_scheduler; launch without --finetune
+
+    @property
+    def feature_type(self) -> str:
+        """'weights', 'outputs' or 'file' (features is then the FILE's path)."""
+        return self.features if self.features in ("weights", "outputs") else "file"
 
 
 @dataclass
@@ -40,6 +49,8 @@ class Plan:
     new_args: Optional[argparse.Namespace] = None
     args_diff: dict = field(default_factory=dict)
     bytes_to_write: int = 0
+    inputs: dict = field(default_factory=dict)    # fingerprints of the data that chose the experts
+    vectors: dict = field(default_factory=dict)   # global layer -> [E, D] features (outputs / FILE)
 
 
 def rules_from_args(args, layout: Layout, ep2: int) -> dict:
@@ -69,17 +80,23 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
     check_target_ep(source, options.target_ep)
     rules = rules_from_args(ckpt.args, source, options.target_ep)
     check_k(options.target_k, **rules)
-    if options.features != "weights":
-        raise ConversionError(f"--features {options.features}: only 'weights' is implemented in this version")
     target = target_layout(source, options.target_ep, options.target_k)
     plan = Plan(source=source, target=target, options=options)
     plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
+    plan.inputs = _gather_inputs(ckpt, options, plan)
+    if not usage and plan.inputs.get("calibration_usage"):
+        usage = {layer: plan.inputs["calibration_usage"][layer.global_layer] for layer in ckpt.layers}
+    plan.inputs["usage_source"] = "usage-file" if options.usage_file else "calibration" if usage else None
     if (options.selection == "usage" or options.representative == "usage") and not usage:
-        raise ConversionError("--selection usage / --representative usage need --usage-file FILE")
+        raise ConversionError("--selection usage / --representative usage need --usage-file FILE "
+                              "(or --features outputs with --calibration-data PATH)")
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
-        sim = features.weight_similarity(ckpt, layer)
+        if plan.vectors:
+            sim = features.similarity_from_vectors(plan.vectors[layer.global_layer])
+        else:
+            sim = features.weight_similarity(ckpt, layer)
         if options.selection == "random":
             result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
         elif options.selection == "usage":
@@ -92,6 +109,33 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         ckpt.release()
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
+
+
+def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
+    """Read the usage file / calibration data / features FILE named by `options`; fill plan.vectors."""
+    from mindspeed_proxy.proxy.manifest import sha256
+
+    inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None}
+    if options.usage_file:
+        inputs["usage_file"] = {"path": os.path.abspath(options.usage_file), "sha256": sha256(options.usage_file)}
+    if options.feature_type != "outputs" and options.calibration_data:
+        raise ConversionError("--calibration-data is only used with --features outputs")
+    if options.feature_type == "outputs":
+        from mindspeed_proxy.proxy import calibration, outputs
+
+        if not options.calibration_data:
+            raise ConversionError("--features outputs needs --calibration-data PATH (an indexed dataset prefix, "
+                                  "or a .npy / .pt file of token ids [N, S])")
+        args = ckpt.args
+        cfg = outputs.model_config_from_args(args)  # refuse an unsupported model before reading any data
+        calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
+                                             options.calibration_sequences)
+        plan.vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens)
+        inputs["calibration_data"] = calib.describe()
+    elif options.feature_type == "file":
+        plan.vectors = features.read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
+        inputs["features_file"] = {"path": os.path.abspath(options.features), "sha256": sha256(options.features)}
+    return inputs
 
 
 def read_usage(path: str, layers, num_experts: int) -> dict:
@@ -149,8 +193,14 @@ def describe(plan: Plan) -> str:
              f"({s.world_size} accelerators)",
              f"proxy:  {t.num_experts} experts, TP={t.tp} PP={t.pp} EP={t.ep} DP={t.dp} "
              f"({t.world_size} accelerators)",
-             f"features={plan.options.features} cluster={plan.options.cluster} "
+             f"selection={plan.options.selection} features={plan.options.features} cluster={plan.options.cluster} "
              f"representative={plan.options.representative} seed={plan.options.seed}"]
+    calib = plan.inputs.get("calibration_data")
+    if calib:
+        lines.append(f"calibration: {calib['tokens']} tokens ({calib['sequences']} x {calib['sequence_length']}) "
+                     f"from {calib['path']}, sha256 {calib['tokens_sha256'][:16]}")
+    if plan.inputs.get("usage_source"):
+        lines.append(f"usage counts from: {plan.inputs['usage_source']}")
     for layer, kept in plan.kept.items():
         d = plan.details[layer]
         lines.append(f"  {layer.name}: keep {kept}  cluster sizes {d['sizes']}  labels {d['labels']}")
@@ -159,11 +209,29 @@ def describe(plan: Plan) -> str:
     lines.append(f"new EP mapping (new id = position in the kept list): {mapping}")
     lines.append(f"args changed: {plan.args_diff}")
     lines.append(f"bytes to write: {plan.bytes_to_write} ({plan.bytes_to_write / 2**20:.1f} MiB)")
+    lines.append(start_note(plan))
     return "\n".join(lines)
+
+
+def kept_fields(fields, options: Options) -> tuple:
+    """The top-level checkpoint fields the proxy keeps: `fields` less `opt_param_scheduler` unless
+    --keep-optimizer-args (optimizer, RNG and rerun state are never in `fields`)."""
+    return tuple(f for f in fields if options.keep_optimizer_args or f != "opt_param_scheduler")
+
+
+def start_note(plan: Plan) -> str:
+    """How the printed launch flags start the proxy (fresh, or at the source's iteration)."""
+    if not plan.options.keep_optimizer_args:
+        return ("start: fresh (--finetune: iteration 0, new optimizer and LR schedule; "
+                "opt_param_scheduler not kept)")
+    return ("start: at the source's iteration and consumed samples (no --finetune; Adam moments and RNG dropped: "
+            "--no-load-optim --no-load-rng; megatron-core 0.16 does not load opt_param_scheduler without the "
+            "optimizer, so the LR schedule restarts unless the launcher restores the kept opt_param_scheduler)")
 
 
 def launch_flags(plan: Plan, out_dir: str) -> str:
     """The Megatron flags that load the proxy."""
     t = plan.target
-    return (f"--num-experts {t.num_experts} --expert-model-parallel-size {t.ep} --load {out_dir} "
-            "--finetune --no-load-optim --no-load-rng")
+    start = "--no-load-optim --no-load-rng" if plan.options.keep_optimizer_args else \
+        "--finetune --no-load-optim --no-load-rng"
+    return f"--num-experts {t.num_experts} --expert-model-parallel-size {t.ep} --load {out_dir} {start}"

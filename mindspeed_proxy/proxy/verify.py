@@ -6,8 +6,10 @@ import os
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.proxy import pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.legacy_io import FILE, KEPT_FIELDS, iteration_dir_name, rank_dir_name
+from mindspeed_proxy.proxy.plan import kept_fields
 
 
 def bit_equal(a, b) -> bool:
@@ -35,10 +37,12 @@ def verify_legacy(ckpt, plan, out_root: str) -> dict:
     if tracker != str(ckpt.iteration):
         _fail(out_root, f"tracker says {tracker!r}, source iteration is {ckpt.iteration}")
     counts = {"files": 0, "experts": 0, "router_rows": 0, "other_tensors": 0}
+    pages.register(*ckpt.files.values())
     for tp in range(tgt.tp):
         for pp in range(tgt.pp):
             for ep in range(tgt.ep):
                 path = os.path.join(folder, rank_dir_name(tp, pp, ep, tgt), FILE)
+                pages.register(path)  # both sides are mmapped; each compared pair's pages are dropped after
                 _verify_file(ckpt, plan, path, safe_torch_load(path, mmap=True), tp, pp, ep, counts)
                 ckpt.release()
                 counts["files"] += 1
@@ -48,7 +52,7 @@ def verify_legacy(ckpt, plan, out_root: str) -> dict:
 def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
     tgt = plan.target
     source = ckpt.state(tp, pp, 0)
-    wanted = {k for k in KEPT_FIELDS if k in source} | set(ckpt.chunks)
+    wanted = {k for k in kept_fields(KEPT_FIELDS, plan.options) if k in source} | set(ckpt.chunks)
     if set(state) != wanted:
         _fail(path, f"top-level keys {sorted(state)}, expected {sorted(wanted)}")
     args = state["args"]
@@ -76,6 +80,7 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
                 want = ckpt.expert(layer, source_id, tp)
                 if set(got) != set(want) or not all(bit_equal(got[n], want[n]) for n in want):
                     _fail(path, f"{layer.name} local expert {j} differs from source expert {source_id}")
+                pages.drop(*got.values(), *want.values())
                 counts["experts"] += 1
             for name, value in ckpt.router(layer).items():
                 key = layer.prefix + "router." + name
@@ -88,8 +93,10 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
         if rest_src != rest_new:
             _fail(path, f"{chunk}: non-expert keys differ: {sorted(rest_src ^ rest_new)[:4]}")
         for key in rest_src:
-            if not bit_equal(model[key], src_model[key]):
+            if not equal_in_blocks(model[key], src_model[key]):
                 _fail(path, f"{chunk}.{key} differs from the source")
+            if isinstance(model[key], torch.Tensor):
+                pages.drop(model[key], src_model[key])
             counts["other_tensors"] += isinstance(model[key], torch.Tensor)
 
 
@@ -103,6 +110,7 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
     """Re-read a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
     router rows bit-exact, every other tensor and object identical, common args rewritten, tracker."""
     from mindspeed_proxy.proxy import dist_io as D
+    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
 
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     tracker = open(os.path.join(out_root, "latest_checkpointed_iteration.txt"), encoding="utf-8").read().strip()
@@ -114,32 +122,19 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
     if set(out.tensors) != set(src.tensors):
         _fail(folder, f"tensor keys differ from the source's model keys: {sorted(set(out.tensors) ^ set(src.tensors))[:4]}")
     counts = {"files": len(os.listdir(folder)), "experts": 0, "router_rows": 0, "other_tensors": 0, "objects": 0}
+    got_reader, src_reader = ChunkReader(folder), ChunkReader(ckpt.folder)
     for key, (shape, dtype) in sorted(src.tensors.items()):
-        want_shape = (shape[0], K) + tuple(shape[2:]) if D.is_sliced(key) else shape
+        want_shape = tuple(K if D.is_sliced(key) and i == D.expert_axis(key) else n for i, n in enumerate(shape))
         if out.tensors[key] != (want_shape, dtype):
             _fail(folder, f"{key}: {out.tensors[key]}, expected {(want_shape, dtype)}")
-        if not key.startswith(D.STACKED):
-            got = D.read_regions(folder, {key: D.whole_request(key, shape, dtype)})[key]
-            want = D.read_regions(ckpt.folder, {key: D.whole_request(key, shape, dtype)})[key]
-            if not bit_equal(got, want):
-                _fail(folder, f"{key} differs from the source")
-            counts["other_tensors"] += 1
-            continue
-        if out.layers_of[key] != src.layers_of[key]:
+        if D.is_stacked(key) and out.layers_of[key] != src.layers_of[key]:
             _fail(folder, f"{key} stored for layers {out.layers_of[key]}, source {src.layers_of[key]}")
-        for l in src.layers_of[key]:
-            got = D.read_regions(folder, {key: D.slab_request(key, want_shape, dtype, l)})[key][0]
-            want = D.read_regions(ckpt.folder, {key: D.slab_request(key, shape, dtype, l)})[key][0]
-            if not D.is_sliced(key):
-                if not bit_equal(got, want):
-                    _fail(folder, f"{key} layer {l} differs from the source")
-                counts["other_tensors"] += 1
-                continue
-            kept = D.kept_of(plan, l)
-            for j, g in enumerate(kept):
-                if not bit_equal(got[j], want[g]):
-                    _fail(folder, f"{key} layer {l}: proxy expert {j} differs from source expert {g}")
-            counts["experts" if key.startswith(D.EXPERTS) else "router_rows"] += len(kept)
+        layers = len(src.layers_of[key]) if D.is_stacked(key) else 1
+        _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader)
+        if not D.is_sliced(key):
+            counts["other_tensors"] += layers
+        else:
+            counts["experts" if key.startswith(D.EXPERTS) or ".mlp.experts." in key else "router_rows"] += K * layers
     expected = D.proxy_objects(ckpt, plan)
     if set(out.objects) != set(expected):
         _fail(folder, f"sharded objects differ: {sorted(set(out.objects) ^ set(expected))[:4]}")
@@ -152,11 +147,67 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
     return counts
 
 
+def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader) -> None:
+    """Every stored chunk of proxy tensor `key` against the source region it must hold, one chunk at a
+    time: unsliced chunks against the same region of the source, sliced ones expert by expert against
+    the source expert the plan kept at that position; the chunks must cover the proxy tensor."""
+    from mindspeed_proxy.proxy import dist_io as D
+
+    stored, total = got_reader.chunks(key), 0
+    per_layer = 1
+    for n in want_shape[1:] if D.is_stacked(key) else want_shape:
+        per_layer *= n
+    for offsets, sizes in stored:
+        if any(o < 0 or o + n > g for o, n, g in zip(offsets, sizes, want_shape)):
+            _fail(folder, f"{key}: chunk {list(offsets)}+{list(sizes)} outside {list(want_shape)}")
+        total += _numel(sizes)
+        if not D.is_sliced(key):
+            if not equal_in_blocks(got_reader.read(key, offsets), src_reader.region(key, offsets, sizes)):
+                _fail(folder, f"{key} at {list(offsets)} differs from the source")
+            continue
+        a = D.expert_axis(key)
+        if a and sizes[0] != 1:
+            _fail(folder, f"{key}: chunk {list(offsets)}+{list(sizes)} spans several layers")
+        kept = D.kept_of(plan, offsets[0] if a else D.key_layer(key))
+        got = got_reader.read(key, offsets)
+        for j in range(offsets[a], offsets[a] + sizes[a]):
+            where = offsets[:a] + (kept[j],) + offsets[a + 1:]
+            want = src_reader.region(key, where, sizes[:a] + (1,) + sizes[a + 1:])
+            if not bit_equal(got.narrow(a, j - offsets[a], 1), want):
+                _fail(folder, f"{key} at {list(offsets)}: proxy expert {j} differs from source expert {kept[j]}")
+    if total != per_layer * layers:
+        _fail(folder, f"{key}: stored chunks hold {total} elements, expected {per_layer * layers}")
+    got_reader.forget()
+    src_reader.forget()
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def equal_in_blocks(a, b, block: int = 16 << 20) -> bool:
+    """bit_equal for tensors, compared `block` bytes at a time with each block's memory-mapped pages
+    dropped once compared (so a large pair never sits in memory whole)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.nbytes <= block:
+        return bit_equal(a, b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    x, y = a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    for start in range(0, x.numel(), block):
+        if not torch.equal(x[start:start + block], y[start:start + block]):
+            return False
+        pages.drop(x[start:start + block], y[start:start + block])
+    return True
+
+
 def _verify_common(ckpt, plan, folder, common) -> None:
     from mindspeed_proxy.proxy.dist_io import KEPT_COMMON
 
     tgt, source = plan.target, ckpt.index.common
-    wanted = {k for k in KEPT_COMMON if k in source}
+    wanted = {k for k in kept_fields(KEPT_COMMON, plan.options) if k in source}
     if set(common) != wanted:
         _fail(folder, f"common.pt keys {sorted(common)}, expected {sorted(wanted)}")
     args = common["args"]

@@ -37,7 +37,7 @@ def baseline_band(run: Run, family: str, steps: list[int], agg: list[float]) -> 
     return min(vals), max(vals), f"warm-up range (first {len(vals)} samples from step {start})"
 
 
-def _plot_loss(run: Run, div: int | None, out: Path) -> Path:
+def _plot_loss(run: Run, div: int | None, out: Path, dpi: int = 90) -> Path:
     """Loss and grad norm against step, divergence and first alert marked."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -60,13 +60,13 @@ def _plot_loss(run: Run, div: int | None, out: Path) -> Path:
     ax1.set_title(f"{run.path.name}: loss and grad norm")
     fig.tight_layout()
     path = out / "loss_grad_norm.png"
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
 
-def _plot_family(run: Run, family: str, out: Path) -> tuple[list[Path], dict]:
-    """Aggregate curve with band and alert markers, plus the layer×step heatmap, of one family."""
+def _plot_family(run: Run, family: str, out: Path, heatmap: bool = True, dpi: int = 90) -> tuple[list[Path], dict]:
+    """Aggregate curve with band and alert markers, plus (if `heatmap`) the layer×step heatmap, of one family."""
     plt = _plt()
     metric = headline_metric(run, family)
     steps, agg = family_aggregate(run, family, metric)
@@ -89,9 +89,13 @@ def _plot_family(run: Run, family: str, out: Path) -> tuple[list[Path], dict]:
     fig.tight_layout()
     slug = family.replace("-", "_")
     p1 = out / f"{slug}_aggregate.png"
-    fig.savefig(p1, dpi=90)
+    fig.savefig(p1, dpi=dpi)
     plt.close(fig)
     steps, layers, values = family_matrix(run, family, metric)
+    info = {"metric": metric, "samples": len(steps), "layers": layers,
+            "band": None if band is None else {"low": band[0], "high": band[1], "source": band[2]}}
+    if not heatmap:
+        return [p1], info
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * max(len(layers), 1)))
     im = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                    extent=(min(steps) - 0.5, max(steps) + 0.5, len(layers) - 0.5, -0.5))
@@ -102,10 +106,8 @@ def _plot_family(run: Run, family: str, out: Path) -> tuple[list[Path], dict]:
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     p2 = out / f"{slug}_heatmap.png"
-    fig.savefig(p2, dpi=90)
+    fig.savefig(p2, dpi=dpi)
     plt.close(fig)
-    info = {"metric": metric, "samples": len(steps), "layers": layers,
-            "band": None if band is None else {"low": band[0], "high": band[1], "source": band[2]}}
     return [p1, p2], info
 
 
@@ -162,21 +164,70 @@ def _markdown(s: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_report(run_dir, out_dir=None, rule: DivergenceRule = DivergenceRule()) -> dict:
-    """Write PNG plots, summary.md and summary.json for `run_dir` into `out_dir` (default RUN_DIR/report)."""
+def markdown_to_html(md: str, title: str) -> str:
+    """The summary's markdown (headings, bullets, pipe tables, images, code spans) as one self-contained page."""
+    import html
+    import re
+
+    def inline(text: str) -> str:
+        text = html.escape(text)
+        text = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", r'<img src="\2" alt="\1" style="max-width:100%">', text)
+        text = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r'<a href="\2">\1</a>', text)
+        return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+    body, table, items = [], [], []
+
+    def flush():
+        if items:
+            body.append("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
+            items.clear()
+        if table:
+            rows = [r for r in table if not set(r.replace("|", "").strip()) <= {"-", ":"}]
+            cells = [[inline(c.strip()) for c in r.strip().strip("|").split("|")] for r in rows]
+            head = "".join(f"<th>{c}</th>" for c in cells[0])
+            rest = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells[1:])
+            body.append(f"<table><tr>{head}</tr>{rest}</table>")
+            table.clear()
+
+    for line in md.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if line.startswith("- "):
+            if table:
+                flush()
+            items.append(inline(line[2:]))
+            continue
+        flush()
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{inline(line[level:].strip())}</h{level}>")
+        elif line.strip():
+            body.append(f"<p>{inline(line)}</p>")
+    flush()
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 6px}code{background:#f4f4f4}")
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def make_report(run_dir, out_dir=None, rule: DivergenceRule = DivergenceRule(), heatmaps: bool = True,
+                dpi: int = 90) -> dict:
+    """Write PNG plots, summary.md/.html/.json for `run_dir` into `out_dir` (default RUN_DIR/report)."""
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(run, rule)
-    plots = [_plot_loss(run, summary["divergence_step"], out)] if run.steps else []
+    plots = [_plot_loss(run, summary["divergence_step"], out, dpi)] if run.steps else []
     families = {}
     for fam in FAMILIES:
         if run.samples.get(fam):
-            paths, families[fam] = _plot_family(run, fam, out)
+            paths, families[fam] = _plot_family(run, fam, out, heatmaps, dpi)
             plots += paths
     summary["families"] = families
     summary["plots"] = [p.name for p in plots]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out / "summary.md").write_text(_markdown(summary, summary["plots"]))
+    (out / "summary.html").write_text(markdown_to_html(_markdown(summary, summary["plots"]), summary["run_dir"]))
     summary["out_dir"] = str(out)
     return summary

@@ -19,6 +19,8 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved (virtual) pipeline: layers per model chunk; chunks `model0`, `model1`, ...")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -117,6 +119,17 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers % args.pipeline_model_parallel_size:
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
                             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    per_vp = args.num_layers_per_virtual_pipeline_stage
+    if per_vp is not None and (args.pipeline_model_parallel_size < 2 or per_vp < 1 or
+                               (args.num_layers // args.pipeline_model_parallel_size) % per_vp):
+        raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {per_vp} needs "
+                            "--pipeline-model-parallel-size > 1 and must divide the layers per stage "
+                            f"{args.num_layers // args.pipeline_model_parallel_size}")
+    micro = args.global_batch_size // (args.micro_batch_size * dp)
+    if per_vp is not None and micro % args.pipeline_model_parallel_size:
+        raise ArgumentError(f"interleaved pipeline: {micro} micro-batches per data-parallel rank must be a multiple "
+                            f"of --pipeline-model-parallel-size {args.pipeline_model_parallel_size} (megatron's "
+                            "interleaved schedule)")
     vocab = TinyMoEConfig().vocab_size
     if vocab % args.tensor_model_parallel_size:
         raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
@@ -124,7 +137,8 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
     args.world_size = world_size
     args.data_parallel_size = dp
     args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    args.virtual_pipeline_model_parallel_size = None
+    args.virtual_pipeline_model_parallel_size = (
+        None if per_vp is None else args.num_layers // args.pipeline_model_parallel_size // per_vp)
     args.use_dist_ckpt = args.ckpt_format == "torch_dist"
     args.padded_vocab_size = model_config(args).vocab_size
     args.group_query_attention = args.num_query_groups != args.num_attention_heads
@@ -154,6 +168,8 @@ def model_config(args: argparse.Namespace) -> TinyMoEConfig:
         moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff else "none",
         seq_length=args.seq_length,
         bf16=args.bf16, fp16=args.fp16, sequence_parallel=args.sequence_parallel,
+        extra=({"virtual_pipeline_model_parallel_size": vpp}
+               if (vpp := getattr(args, "virtual_pipeline_model_parallel_size", None)) else {}),
     )
 
 

@@ -123,19 +123,23 @@ class Trainer:
         self.config = transformer_config(model_cfg)
         num_microbatches(train_cfg)  # refuses a global batch that does not split evenly
         init_microbatch_calculator(train_cfg)
-        model = build_model(model_cfg, self.config)
+        vpp = self.config.virtual_pipeline_model_parallel_size  # interleaved pipeline: one chunk per stage
+        chunks = [build_model(model_cfg, self.config, vp_stage=v) for v in range(vpp)] if vpp else \
+            [build_model(model_cfg, self.config)]
         if init_fn is None:  # Megatron's CPU init repeats the experts of each EP rank: draw per global name
             from mindspeed_proxy.layout_init import global_init
 
             init_fn = lambda m: global_init(m, seed=train_cfg.seed, std=model_cfg.init_method_std)  # noqa: E731
-        init_fn(model)
+        for chunk in chunks:
+            init_fn(chunk)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=train_cfg.use_distributed_optimizer,
             check_for_nan_in_grad=False,
         )
-        self.model = [DistributedDataParallel(self.config, ddp_config, model)]
+        self.model = [DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=v > 0)
+                      for v, chunk in enumerate(chunks)]
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=train_cfg.lr,
@@ -169,7 +173,8 @@ class Trainer:
         )
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.config.no_sync_func = self.model[0].no_sync
+        no_sync = [chunk.no_sync for chunk in self.model]
+        self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         self.monitor = None  # a MechanismMonitor, told after every successful optimizer step
 
     def unwrapped(self) -> list[torch.nn.Module]:
@@ -191,7 +196,7 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
+            data_iterator=[iter(microbatches) for _ in self.model] if len(self.model) > 1 else iter(microbatches),
             model=self.model,
             num_microbatches=len(microbatches),
             seq_length=self.model_cfg.seq_length,

@@ -79,7 +79,8 @@ def _init_distributed(args) -> None:
             world_size=int(os.environ.get("WORLD_SIZE", "1")))
     A.validate_world(args, torch.distributed.get_world_size())
     init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                  ep=args.expert_model_parallel_size, seed=args.seed)
+                  ep=args.expert_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+                  seed=args.seed)
 
 
 def _free_port_once() -> int:

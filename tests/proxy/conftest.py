@@ -18,6 +18,9 @@ CONFIGS = {
     # legacy GroupedMLP (bf16 only in megatron-core); layers 1 and 3 dense (--moe-layer-freq 2)
     "grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--bf16", "--num-layers", "4",
                     "--moe-layer-freq", "2"]),
+    # PP=2 with two virtual stages (model0/model1 chunks of one layer each), EP=2
+    "pp2_vpp": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1"]),
 }
 
 
@@ -29,7 +32,8 @@ def model_flags(name: str) -> list:
         if skip:
             skip = False
             continue
-        if flag in ("--expert-model-parallel-size", "--tensor-model-parallel-size"):
+        if flag in ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                    "--num-layers-per-virtual-pipeline-stage"):
             skip = True
             continue
         out.append(flag)

@@ -13,6 +13,7 @@ from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
 from conftest import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+from helpers import forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
 
 
 def _args(root):
@@ -27,43 +28,6 @@ def _rank_file(root, tp, ep, ep_size):
     return os.path.join(root, f"iter_{it:07d}", name, "model_optim_rng.pt")
 
 
-def _model(root, cfg, tp, ep):
-    from megatron.core import parallel_state as ps
-
-    from mindspeed_proxy.testing import init_parallel
-    from mindspeed_proxy.training import checkpointing as C
-    from mindspeed_proxy.training.engine import TrainConfig, Trainer
-
-    init_parallel(tp=tp, ep=ep)
-    dp = ps.get_data_parallel_world_size()
-    trainer = Trainer(cfg, TrainConfig(micro_batch_size=2, global_batch_size=2 * dp))
-    C.load_legacy(root, trainer, load_optim=False, load_rng=False)  # the real loading path, strict=True
-    model = trainer.unwrapped()[0]
-    model.eval()
-    return model
-
-
-def _forward(model, batch):
-    with torch.no_grad():
-        return model(batch["tokens"], batch["position_ids"], None).float().clone()
-
-
-def _mask_router(model, kept):
-    """Mask the original routers: logits of dropped experts -> -1e9 (and their expert_bias, if any)."""
-    for layer in model.decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is None:
-            continue
-        keep = kept[layer.layer_number - 1]
-        mask = torch.full((router.weight.shape[0],), -1e9)
-        mask[keep] = 0.0
-        gating = router.gating
-        router.gating = lambda x, gating=gating, mask=mask: gating(x) + mask.to(x.device)
-        if router.expert_bias is not None:
-            with torch.no_grad():
-                router.expert_bias[mask < 0] = -1e9
-
-
 def identity_check(src, out, tp, ep_src, ep_dst, k, kept):
     """On each rank: (a) proxy params vs the source files, (b) proxy forward vs masked original forward."""
     from megatron.core import parallel_state as ps
@@ -73,11 +37,11 @@ def identity_check(src, out, tp, ep_src, ep_dst, k, kept):
 
     cfg = model_config(_args(src))
     batch = synthetic_microbatches([[0, 1]], cfg.seq_length, cfg.vocab_size)[0]
-    original = _model(src, cfg, tp, ep_src)
+    original = load_model(src, cfg, tp, ep_src)[0]
     plain = _forward(original, batch)
     _mask_router(original, kept)
     masked = _forward(original, batch)
-    proxy = _model(out, cfg.replace(num_experts=k), tp, ep_dst)
+    proxy = load_model(out, cfg.replace(num_experts=k), tp, ep_dst)[0]
     got = _forward(proxy, batch)
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     n_src, n_dst = cfg.num_experts // ep_src, k // ep_dst

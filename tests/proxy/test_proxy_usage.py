@@ -1,4 +1,5 @@
 """--selection usage --usage-file: the K most-used experts per layer (the fidelity baseline)."""
+import hashlib
 import json
 import os
 
@@ -29,6 +30,11 @@ def test_usage_cli_keeps_most_used(checkpoints, tmp_path, capsys):
     manifest = json.load(open(os.path.join(out, "proxy_manifest.json")))
     kept = {layer["layer"]: layer["kept_global_ids_in_new_order"] for layer in manifest["layers"]}
     assert kept == {0: [1, 4, 6, 7], 1: [0, 1, 2, 7]}
+    digest = hashlib.sha256(usage_file.read_bytes()).hexdigest()
+    assert manifest["selection"] == "usage" and manifest["usage_source"] == "usage-file"
+    assert manifest["inputs"]["usage_file"] == {"path": str(usage_file), "sha256": digest}
+    assert manifest["calibration_fingerprint"] == digest and manifest["calibration_tokens"] is None
+    assert manifest["feature_type"] == "weights" and manifest["inputs"]["calibration_data"] is None
 
 
 def test_usage_cli_refusals(checkpoints, tmp_path, capsys):
@@ -36,7 +42,8 @@ def test_usage_cli_refusals(checkpoints, tmp_path, capsys):
     base = ["--load", src, "--target-expert-parallel-size", "1", "--target-num-experts", "4"]
     out = str(tmp_path / "proxy")
     assert main(base + ["--save", out, "--selection", "usage"]) == 2
-    assert "--usage-file" in capsys.readouterr().err and not os.path.exists(out)
+    err = capsys.readouterr().err
+    assert "--usage-file" in err and "--calibration-data" in err and not os.path.exists(out)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"0": [1, 2, 3]}))
     assert main(base + ["--save", out, "--selection", "usage", "--usage-file", str(bad)]) == 2

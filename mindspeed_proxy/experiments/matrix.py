@@ -1,0 +1,218 @@
+"""The fault matrix's runs: healthy warm-up of the original, conversion to a proxy, one fine-tuning run per
+(fault, model), each launched with torchrun as its own process tree and measured (CPU seconds from
+`os.wait4`'s rusage of that tree, wall seconds).
+
+Every setting comes from one YAML file (examples/configs/fault_matrix.yaml): trainer flags, the two
+models, warm-up and run lengths, fault specs, the monitor config, the divergence rule, per-mode overrides.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODELS = ("original", "proxy")
+
+
+def load_config(path, mode: str = "quick") -> dict:
+    """The experiment YAML with `modes[mode]` merged over it; relative paths resolved against the file."""
+    import yaml
+
+    path = Path(path).resolve()
+    cfg = yaml.safe_load(path.read_text())
+    overrides = (cfg.get("modes") or {}).get(mode)
+    if overrides is None:
+        raise ValueError(f"{path}: no mode {mode!r} (known: {sorted(cfg.get('modes') or {})})")
+    cfg = {**copy.deepcopy(cfg), **copy.deepcopy(overrides)}
+    cfg["mode"], cfg["config_path"] = mode, str(path)
+    cfg["monitor_config"] = str((path.parent / cfg["monitor_config"]).resolve())
+    unknown = set(cfg["expected_families"]) ^ set(cfg["faults"])
+    if unknown:
+        raise ValueError(f"{path}: faults and expected_families name different faults: {sorted(unknown)}")
+    return cfg
+
+
+def fault_onset(spec: str | None) -> int | None:
+    """The `start` step of a fault spec string, None for the healthy run."""
+    if not spec:
+        return None
+    from mindspeed_proxy.faults.spec import parse_fault
+
+    return parse_fault(spec)["start"]
+
+
+@dataclass
+class RunResult:
+    """One finished training process tree."""
+
+    name: str
+    model: str
+    fault: str
+    spec: str | None
+    run_dir: str
+    ranks: int
+    iters: int
+    returncode: int
+    cpu_s: float  # user + system CPU seconds of torchrun and all its ranks
+    wall_s: float
+    command: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain dict for JSON."""
+        return dict(vars(self))
+
+
+class Progress:
+    """Timestamped progress lines on stdout (thread-safe)."""
+
+    def __init__(self, quiet: bool = False):
+        self.t0, self.quiet, self._lock = time.time(), quiet, threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        """Print one line prefixed with the elapsed seconds."""
+        if not self.quiet:
+            with self._lock:
+                print(f"[{time.time() - self.t0:6.0f}s] {message}", flush=True)
+
+
+def launch(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, float, float]:
+    """Run `cmd` with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)  # rusage of the child incl. its waited-for ranks
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime, time.time() - t0
+
+
+def torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
+    """A torchrun command line on a free port, through our launcher (`-m mindspeed_proxy.run SCRIPT`)."""
+    from mindspeed_proxy.testing import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), "-m", "mindspeed_proxy.run", script, *args]
+
+
+class Matrix:
+    """Builds and runs the experiment described by a loaded config under `work_dir`."""
+
+    def __init__(self, cfg: dict, work_dir, root, progress: Progress | None = None, reuse: bool = False):
+        self.cfg, self.work, self.root = cfg, Path(work_dir).resolve(), Path(root).resolve()
+        self.progress = progress or Progress()
+        self.reuse = reuse
+        self.trainer = str(self.root / "examples" / "train_moe.py")
+        self.warm_ckpt = self.work / "warmup" / "ckpt"
+        self.proxy_ckpt = self.work / "proxy_ckpt"
+        self.warmup_result: RunResult | None = None
+        self.convert_info: dict = {}
+
+    # ------------------------------------------------------------------ stages
+    def model_args(self, model: str) -> list[str]:
+        """Trainer flags of `model` (common flags + its expert count and EP size)."""
+        m = self.cfg[model]
+        return [*self.cfg["train_args"], "--num-experts", str(m["num_experts"]),
+                "--expert-model-parallel-size", str(m["expert_parallel"])]
+
+    def warmup(self) -> RunResult | None:
+        """Healthy warm-up of the original, saved as a legacy checkpoint (skipped when --reuse finds it)."""
+        w, o = self.cfg["warmup"], self.cfg["original"]
+        if self.reuse and (self.warm_ckpt / "latest_checkpointed_iteration.txt").is_file():
+            self.progress(f"warm-up: reusing {self.warm_ckpt}")
+            return None
+        import shutil
+
+        shutil.rmtree(self.warm_ckpt.parent, ignore_errors=True)
+        args = [*self.model_args("original"), "--train-iters", str(w["iters"]), "--save", str(self.warm_ckpt),
+                "--save-interval", str(w["iters"]), "--log-dir", str(self.warm_ckpt.parent / "logs"),
+                "--log-interval", "50", *w.get("args", [])]
+        self.progress(f"warm-up: original ({o['num_experts']} experts, EP={o['expert_parallel']}, "
+                      f"{o['ranks']} ranks), {w['iters']} healthy steps ...")
+        cmd = torchrun(o["ranks"], self.trainer, args)
+        rc, cpu, wall = launch(cmd, self.warm_ckpt.parent / "train.log")
+        if rc:
+            raise RuntimeError(f"warm-up failed (rc {rc}); see {self.warm_ckpt.parent / 'train.log'}")
+        self.warmup_result = RunResult("warmup", "original", "none", None, str(self.warm_ckpt.parent / "logs"),
+                                       o["ranks"], w["iters"], rc, cpu, wall, cmd)
+        last = _last_step(self.warm_ckpt.parent / "logs")
+        self.progress(f"warm-up done in {wall:.0f}s: final loss {last.get('loss', float('nan')):.3f}")
+        return self.warmup_result
+
+    def convert(self) -> dict:
+        """`convert_to_proxy.py` of the warm-up checkpoint to the proxy's expert count at its EP size."""
+        p = self.cfg["proxy"]
+        cmd = [sys.executable, str(self.root / "convert_to_proxy.py"), "--load", str(self.warm_ckpt), "--save",
+               str(self.proxy_ckpt), "--target-expert-parallel-size", str(p["expert_parallel"]),
+               "--target-num-experts", str(p["num_experts"]), "--overwrite", *p.get("convert_args", [])]
+        self.progress(f"convert: {self.cfg['original']['num_experts']} -> {p['num_experts']} experts, "
+                      f"EP {self.cfg['original']['expert_parallel']} -> {p['expert_parallel']} ...")
+        rc, cpu, wall = launch(cmd, self.work / "convert.log")
+        if rc:
+            raise RuntimeError(f"convert_to_proxy.py failed (rc {rc}); see {self.work / 'convert.log'}")
+        manifest = json.loads((self.proxy_ckpt / "proxy_manifest.json").read_text())
+        kept = [layer["kept_global_ids_in_new_order"] for layer in manifest["layers"]]
+        self.convert_info = {"command": shlex.join(cmd), "kept": kept, "cpu_s": cpu, "wall_s": wall}
+        self.progress(f"convert done in {wall:.0f}s: kept experts per layer {kept}")
+        return self.convert_info
+
+    def run_one(self, model: str, fault: str) -> RunResult:
+        """One fine-tuning run of `model` from the warm-up (or its proxy) with `fault` injected."""
+        m, r = self.cfg[model], self.cfg["run"]
+        spec = self.cfg["faults"][fault]
+        name = f"{model}_{fault}"
+        run_dir = self.work / "runs" / name
+        done = self.work / "runs" / f"{name}.result.json"
+        if self.reuse and done.is_file():
+            res = RunResult(**json.loads(done.read_text()))
+            if res.spec == spec and res.iters == r["iters"]:
+                self.progress(f"run {name}: reusing {run_dir}")
+                return res
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ckpt = self.warm_ckpt if model == "original" else self.proxy_ckpt
+        args = [*self.model_args(model), "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng",
+                "--train-iters", str(r["iters"]), "--log-dir", str(run_dir), "--log-interval", "1000000",
+                "--enable-mechanism-monitor", "--mechanism-monitor-config", self.cfg["monitor_config"],
+                *r.get("args", [])]
+        if spec:
+            args += ["--inject-fault", spec]
+        cmd = torchrun(m["ranks"], self.trainer, args)
+        self.progress(f"run {name}: {m['ranks']} rank(s), {r['iters']} steps, fault {spec or 'none'} ...")
+        rc, cpu, wall = launch(cmd, run_dir / "train.log")
+        res = RunResult(name, model, fault, spec, str(run_dir), m["ranks"], r["iters"], rc, cpu, wall, cmd)
+        if rc:
+            raise RuntimeError(f"run {name} failed (rc {rc}); see {run_dir / 'train.log'}")
+        done.write_text(json.dumps(res.to_dict()))
+        n_alerts = sum(1 for line in open(run_dir / "mechanism_monitor" / "monitor.jsonl")
+                       if '"type": "alert"' in line)
+        self.progress(f"run {name} done in {wall:.0f}s ({cpu:.0f} CPU-s): {n_alerts} alert(s), final loss "
+                      f"{_last_step(run_dir).get('loss', float('nan')):.3f}")
+        return res
+
+    def run_grid(self, pairs: list[tuple[str, str]], jobs: int = 1) -> list[RunResult]:
+        """Run every (model, fault) pair, `jobs` at a time; results in the order of `pairs`."""
+        if jobs <= 1:
+            return [self.run_one(m, f) for m, f in pairs]
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda mf: self.run_one(*mf), pairs))
+
+
+def _last_step(log_dir) -> dict:
+    """The last step record of a run's metrics.jsonl ({} when none)."""
+    path = Path(log_dir) / "metrics.jsonl"
+    last = {}
+    if path.is_file():
+        for line in open(path):
+            if '"type": "step"' in line:
+                last = json.loads(line)
+    return last

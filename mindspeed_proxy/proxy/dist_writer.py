@@ -1,0 +1,108 @@
+"""Write a torch_dist proxy through megatron `dist_checkpointing.save`, streaming one chunk at a time.
+
+megatron-core's own torch_dist strategy needs every tensor in memory before it writes. Here the
+sharded state dict carries `meta` placeholders (shape and dtype only); megatron still validates the
+sharding, writes `common.pt` and `metadata.json`, and translates the keys, and the tensor files and
+`.metadata` are written by torch.distributed.checkpoint's FileSystemWriter with megatron's
+MCoreSavePlanner, whose `resolve_data` is asked for one write item at a time: that is when the chunk
+is read from the source (and cut to the kept experts), written, and let go.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy.dist_chunks import ChunkReader, expected, proxy_chunks
+from mindspeed_proxy.proxy.errors import ConversionError
+
+
+def _strategy(fetch: dict, progress=None):
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class LazyPlanner(MCoreSavePlanner):
+        """MCoreSavePlanner whose tensor data is read from the source when the writer asks for it."""
+
+        def resolve_data(self, write_item):
+            key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
+            if key not in fetch:
+                return super().resolve_data(write_item)
+            data = fetch[key]()
+            if progress:
+                progress(key[0])
+            return data
+
+    class StreamingSave(SaveShardedStrategy):
+        """torch_dist (version 1) save strategy that writes chunk by chunk from a single process."""
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            """Translate to PyTorch sharded tensors and write them with the lazy planner."""
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+            pyt_state = mcore_to_pyt_state_dict(state, False)
+            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=False,
+                                      thread_count=1)
+            dcp_save(pyt_state, storage_writer=writer,
+                     planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
+
+        def can_handle_sharded_objects(self):
+            """Sharded objects go into the same files (as megatron's torch_dist strategy does)."""
+            return True
+
+    return StreamingSave("torch_dist", 1)
+
+
+def _fetcher(reader: ChunkReader, chunk, previous: list):
+    def fetch():
+        # the writer has finished with the chunk fetched before this one: its mapped pages can go now
+        # (torch's loader still holds a reference to it while it resolves the next item)
+        pages.drop(*previous)
+        previous.clear()
+        data = expected(reader, chunk)
+        if tuple(data.shape) != tuple(chunk.sizes) or data.dtype != chunk.dtype:
+            raise ConversionError(f"{chunk.key} at {list(chunk.offsets)}: source gives {tuple(data.shape)} "
+                                  f"{data.dtype}, expected {chunk.sizes} {chunk.dtype}")
+        data = data.contiguous()
+        previous.append(data)
+        return data
+    return fetch
+
+
+def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, content_metadata=None,
+                   progress=None) -> None:
+    """Write the proxy's model tensors (chunk by chunk from the source), `objects` (ShardedObjects) and
+    `common_state` into `folder` with megatron `dist_checkpointing.save`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    reader = ChunkReader(ckpt.folder)
+    model, fetch, previous = dict(objects), {}, []
+    for chunk in proxy_chunks(ckpt, plan, reader, sorted(ckpt.index.tensors)):
+        if any(g % s for g, s in zip(chunk.global_shape, chunk.sizes)):
+            raise ConversionError(f"{ckpt.folder}: {chunk.key} is stored in uneven chunks {chunk.sizes} of "
+                                  f"{chunk.global_shape} (not supported)")
+        model[f"{chunk.key}@{chunk.offsets}"] = ShardedTensor(
+            key=chunk.key, data=torch.empty(chunk.sizes, dtype=chunk.dtype, device="meta"), dtype=chunk.dtype,
+            local_shape=chunk.sizes, global_shape=chunk.global_shape, global_offset=chunk.offsets,
+            axis_fragmentations=tuple(g // s for g, s in zip(chunk.global_shape, chunk.sizes)), replica_id=0)
+        fetch[(chunk.key, chunk.offsets)] = _fetcher(reader, chunk, previous)
+    state = dict(common_state, model=model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress),
+                                    content_metadata=content_metadata)
+    except ConversionError:
+        raise
+    except Exception as exc:
+        raise ConversionError(f"writing the torch_dist proxy failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        previous.clear()
+        reader.forget()
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise ConversionError(f"writing the torch_dist proxy failed: no .metadata in {folder}")

@@ -1,0 +1,242 @@
+"""`--features outputs`: mean expert outputs on calibration tokens, from the original model run in this process.
+
+The original model is built once at TP = PP = EP = 1 (world-1 gloo group, CPU platform layer when torch has
+no accelerator) with the trainer's builder (`mindspeed_proxy.tiny_moe`: local spec, RMSNorm, SwiGLU, RoPE)
+from the checkpoint's args, with all E experts, and loaded with strict key checking: torch_dist through
+megatron's `dist_checkpointing.load` (which reshards any source TP/PP/EP), legacy by merging the EP ranks'
+files and PP stages / VPP chunks of TP rank 0 (legacy TP shards do not reshard, so legacy needs TP = 1).
+During the forward, a pre-hook on every MoE layer takes its input x (after the pre-MLP norm), every expert
+is applied to every token (the layer's experts module called with all tokens for each expert and
+probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
+each expert (its own top-k, expert bias included). Feature of expert e = mean over tokens of expert_e(x).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import torch
+
+from mindspeed_proxy.proxy.errors import ConversionError
+
+BATCH_SEQUENCES = 8
+CHUNK_ELEMENTS = 1 << 24  # tokens x experts x hidden per expert call (64 MiB in fp32)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _unsupported(args) -> list:
+    rules = [("normalization", "RMSNorm"), ("position_embedding_type", "rope"), ("transformer_impl", "local"),
+             ("swiglu", True), ("add_bias_linear", False), ("multi_latent_attention", False),
+             ("untie_embeddings_and_output_weights", True), ("moe_tp_extend_ep", False)]
+    bad = []
+    for name, wanted in rules:
+        if hasattr(args, name):
+            value = getattr(args, name)
+            if (bool(value) != wanted) if isinstance(wanted, bool) else (value != wanted):
+                bad.append(f"{name}={value!r}")
+    return bad
+
+
+def model_config_from_args(args):
+    """TinyMoEConfig of the original model at EP = 1, from the checkpoint's args; ConversionError if unsupported."""
+    from mindspeed_proxy.training.arguments import model_config
+
+    bad = _unsupported(args)
+    if bad:
+        raise ConversionError(f"--features outputs: the built-in model builder cannot run this checkpoint "
+                              f"({', '.join(bad)}); collect features during training and pass --features FILE")
+    try:
+        cfg = model_config(args)
+    except AttributeError as exc:
+        raise ConversionError(f"--features outputs: the checkpoint's args lack a model field ({exc}); "
+                              "pass --features FILE") from None
+    extra = {k: getattr(args, k) for k in ("moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax",
+                                           "moe_router_topk_scaling_factor") if getattr(args, k, None) is not None}
+    return cfg.replace(vocab_size=getattr(args, "padded_vocab_size", None) or cfg.vocab_size,
+                       sequence_parallel=False, qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+                       extra={**extra, "perform_initialization": False})
+
+
+def _renumber(key: str, offset: int) -> str:
+    match = _LAYER.match(key)
+    return key if match is None else f"decoder.layers.{int(match.group(1)) + offset}." + key[match.end():]
+
+
+def legacy_state(ckpt) -> dict:
+    """One EP = 1, PP = 1 state dict of a legacy checkpoint: every EP rank's experts, every stage's layers."""
+    L = ckpt.layout
+    if L.tp > 1:
+        raise ConversionError(f"--features outputs: a legacy checkpoint at TP={L.tp} cannot be merged into one "
+                              "process (legacy TP shards do not reshard); use its torch_dist form or --features FILE")
+    num_layers = int(ckpt.args.num_layers)
+    per = num_layers // (L.pp * len(ckpt.chunks))
+    merged = {}
+    for pp in range(L.pp):
+        for v, chunk in enumerate(ckpt.chunks):
+            model = ckpt.state(0, pp, 0)[chunk]
+            owned, built = set(), {}
+            for layer in (l for l in ckpt.layers if l.pp == pp and l.chunk == chunk):
+                codec, prefix = ckpt.codec(layer), layer.prefix + "experts."
+                owned.update(codec.owned(model, prefix))
+                built.update(codec.build(prefix, [ckpt.expert(layer, g, 0) for g in range(L.num_experts)]))
+            offset = (v * L.pp + pp) * per
+            for key, value in list((k, v) for k, v in model.items() if k not in owned) + list(built.items()):
+                merged[_renumber(key, offset)] = value
+    return merged
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _check_fits(num_bytes: int) -> None:
+    available = _available_bytes()
+    if 2 * num_bytes > available:
+        raise ConversionError(f"--features outputs: the original model ({num_bytes / 2**30:.1f} GiB, ~2x that "
+                              f"with activations) does not fit in the {available / 2**30:.1f} GiB available; "
+                              "collect features during training and pass --features FILE")
+
+
+def _dist_bytes(ckpt) -> int:
+    from mindspeed_proxy.proxy.dist_io import is_model_key
+
+    return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+               for key, (shape, dtype) in ckpt.index.tensors.items() if is_model_key(key))
+
+
+def _load(model, ckpt) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    if ckpt.format == "torch_dist":
+        _check_fits(_dist_bytes(ckpt))
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder)
+        state = state["model"]
+    else:
+        state = legacy_state(ckpt)
+        _check_fits(sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor)))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        raise ConversionError(f"--features outputs: the checkpoint does not load into the model built from its "
+                              f"args ({first[0] if first else exc}); pass --features FILE") from None
+
+
+def _expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E, H] float64: sum over the rows of x of every expert's output."""
+    hidden = x.shape[-1]
+    rows = max(1, CHUNK_ELEMENTS // (num_experts * hidden))
+    total = torch.zeros(num_experts, hidden, dtype=torch.float64)
+    for start in range(0, x.shape[0], rows):
+        part = x[start:start + rows]
+        n = part.shape[0]
+        counts = torch.full((num_experts,), n, dtype=torch.long)
+        probs = torch.ones(num_experts * n, dtype=torch.float32, device=x.device)
+        out, _ = experts(part.repeat(num_experts, 1), counts, probs)
+        total += out.reshape(num_experts, n, hidden).to(torch.float64).sum(dim=1).cpu()
+    return total
+
+
+class _Collector:
+    """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
+
+    def __init__(self, gpt, num_experts: int):
+        self.sums, self.usage, self.tokens, self.handles = {}, {}, 0, []
+        for tl in gpt.decoder.layers:
+            if not hasattr(tl.mlp, "router"):
+                continue
+            g = tl.layer_number - 1
+            self.sums[g] = torch.zeros(num_experts, gpt.config.hidden_size, dtype=torch.float64)
+            self.usage[g] = torch.zeros(num_experts, dtype=torch.float64)
+            self.handles.append(tl.mlp.register_forward_pre_hook(self._pre(g, num_experts)))
+            self.handles.append(tl.mlp.router.register_forward_hook(self._routed(g)))
+
+    def _pre(self, g: int, num_experts: int):
+        def _hook(module, inputs):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            self.sums[g] += _expert_sums(module.experts, x, num_experts)
+        return _hook
+
+    def _routed(self, g: int):
+        def _hook(module, inputs, output):
+            routing_map = output[1]
+            self.usage[g] += routing_map.reshape(-1, routing_map.shape[-1]).to(torch.float64).sum(dim=0).cpu()
+        return _hook
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for handle in self.handles:
+            handle.remove()
+
+
+def _parallel_world_1():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        raise ConversionError("--features outputs: megatron's parallel state is already initialised in this "
+                              "process (the converter runs the original model in its own world of 1)")
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+
+
+def output_features(ckpt, tokens: torch.Tensor) -> tuple:
+    """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy import platform
+    from mindspeed_proxy.proxy.dist_io import close_group, ensure_group
+    from mindspeed_proxy.tiny_moe import build_model
+
+    cfg = model_config_from_args(ckpt.args)
+    if any(layer.global_layer is None for layer in ckpt.layers):
+        raise ConversionError("--features outputs: the checkpoint's layer numbering is not understood")
+    if platform.current() is None and not torch.cuda.is_available():
+        platform.activate("cpu")
+    created = not dist.is_initialized()
+    ensure_group()
+    _parallel_world_1()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_model(cfg)
+        gpt = getattr(model, "module", model)
+        _load(gpt, ckpt)
+        ckpt.release()
+        device = platform.device()
+        model.to(device).eval()
+        collector = _Collector(gpt, ckpt.layout.num_experts)
+        try:
+            with torch.no_grad():
+                for start in range(0, tokens.shape[0], BATCH_SEQUENCES):
+                    batch = tokens[start:start + BATCH_SEQUENCES].to(device)
+                    positions = torch.arange(batch.shape[1], device=device).expand_as(batch)
+                    model(batch, positions, None)
+                    collector.tokens += batch.numel()
+        finally:
+            collector.remove()
+    finally:
+        ps.destroy_model_parallel()
+        if created:
+            close_group()
+    vectors = {g: (s / collector.tokens).numpy() for g, s in collector.sums.items()}
+    usage = {g: [int(c) for c in u.tolist()] for g, u in collector.usage.items()}
+    missing = sorted({l.global_layer for l in ckpt.layers} - set(vectors))
+    if missing:
+        raise ConversionError(f"--features outputs: MoE layer {missing[0]} of the checkpoint is not an MoE layer "
+                              "of the model built from its args")
+    return vectors, usage, collector.tokens

@@ -1,0 +1,118 @@
+"""Give back the resident pages of tensors memory-mapped from checkpoint files once they have been used.
+
+`torch.load(mmap=True)` maps a file; every page a tensor touches stays in the process's RSS (counted as
+file-backed memory) until the whole mapping is released. `drop` tells the kernel (madvise
+MADV_DONTNEED) that those pages are not needed now: they leave RSS and, if touched again, are read back
+from the page cache. Only whole pages inside mappings of files passed to `register` are dropped, never
+anonymous memory (whose content MADV_DONTNEED would discard): each mapping is confirmed through
+/proc/self/map_files right before the call, so a stale address is never trusted. The mapped tensors
+must never be written to (they are not: the converter only reads its sources and the proxy it verifies).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_ENABLED = sys.platform.startswith("linux")
+_files: set = set()
+_ranges: list = []  # (start, end, path) of mappings of registered files
+_last_refresh = [0.0]
+REFRESH_SECONDS = 0.02  # an address outside every known mapping re-reads /proc/self/maps at most this often
+_libc = None
+
+
+def register(*paths: str) -> None:
+    """Allow dropping pages of mappings of these files (checkpoint files that are only ever read)."""
+    _files.update(os.path.realpath(p) for p in paths)
+    _last_refresh[0] = 0.0
+
+
+def unregister_all() -> None:
+    """Forget every registered file (end of a conversion)."""
+    _files.clear()
+    _ranges.clear()
+
+
+def _refresh(force: bool = False) -> None:
+    now = time.monotonic()
+    if not force and now - _last_refresh[0] < REFRESH_SECONDS:
+        return
+    _last_refresh[0] = now
+    _ranges.clear()
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].strip() in _files:
+                    start, end = parts[0].split("-")
+                    _ranges.append((int(start, 16), int(end, 16), parts[5].strip()))
+    except OSError:
+        pass
+
+
+def _mapping(start: int, end: int):
+    """The registered mapping holding [start, end), confirmed to still map that file, else None."""
+    for a, b, path in _ranges:
+        if a <= start and end <= b:
+            try:
+                return (a, b) if os.readlink(f"/proc/self/map_files/{a:x}-{b:x}") == path else None
+            except OSError:
+                return None
+    return None
+
+
+def _span(t) -> int:
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def mapped(tensor) -> bool:
+    """True if `tensor`'s bytes lie in a mapping of a registered file."""
+    if not _ENABLED or not _files or tensor.numel() == 0 or any(s < 0 for s in tensor.stride()):
+        return False
+    start, end = tensor.data_ptr(), tensor.data_ptr() + _span(tensor)
+    if _mapping(start, end) is None:
+        _refresh(force=True)
+    return _mapping(start, end) is not None
+
+
+def drop_range(address: int, nbytes: int) -> None:
+    """Drop the whole pages of [address, address + nbytes) if they lie in a registered file mapping."""
+    global _libc
+    if not _ENABLED or not _files or nbytes <= 0:
+        return
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + nbytes) // _PAGE * _PAGE
+    if end <= start:
+        return
+    if _mapping(start, end) is None:
+        _refresh()
+        if _mapping(start, end) is None:
+            return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise(start, end - start, _MADV_DONTNEED)
+
+
+def drop(*tensors) -> None:
+    """Drop the resident pages of each tensor (memory-mapped from a registered file; others ignored)."""
+    for t in tensors:
+        if t is None or not hasattr(t, "data_ptr") or t.numel() == 0 or t.device.type != "cpu":
+            continue
+        if any(s < 0 for s in t.stride()):
+            continue
+        drop_range(t.data_ptr(), _span(t))
+
+
+def drop_buffer(buffer) -> None:
+    """Drop the pages under a buffer (e.g. the memoryview torch.save hands to a file's write)."""
+    view = memoryview(buffer)
+    if view.nbytes < _PAGE:
+        return
+    import numpy as np
+
+    drop_range(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data, view.nbytes)

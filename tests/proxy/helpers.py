@@ -1,0 +1,95 @@
+"""Shared by the proxy tests: load a checkpoint into real megatron-core model chunks through the trainer's
+loading path, mask the original routers to the kept experts, and run a forward (pipelined when PP > 1)."""
+import torch
+
+
+def load_model(root, cfg, tp, ep, fmt="torch", pp=1, etp=None):
+    """This rank's model chunks with checkpoint `root` loaded through the real loading path (strict).
+
+    `fmt` is "torch" (C.load_legacy: Megatron-LM's per-rank files) or "torch_dist" (C.load_dist:
+    megatron's sharded load, resharding to this layout); `etp` sets the expert tensor-parallel size."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy.testing import init_parallel
+    from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training.engine import TrainConfig, Trainer
+
+    vpp = cfg.extra.get("virtual_pipeline_model_parallel_size")
+    if etp is None:
+        init_parallel(tp=tp, pp=pp, ep=ep, vpp=vpp)
+    else:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        model_parallel_cuda_manual_seed(1234)
+        cfg = cfg.replace(extra={**cfg.extra, "expert_tensor_parallel_size": etp})
+    dp = ps.get_data_parallel_world_size()
+    trainer = Trainer(cfg, TrainConfig(micro_batch_size=2, global_batch_size=2 * dp * max(pp, 1)))
+    loader = C.load_dist if fmt == "torch_dist" else C.load_legacy
+    loader(root, trainer, load_optim=False, load_rng=False)
+    chunks = trainer.unwrapped()
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
+
+
+def _layers(chunks):
+    for chunk in chunks if isinstance(chunks, list) else [chunks]:
+        while not hasattr(chunk, "decoder"):
+            chunk = chunk.module
+        yield from chunk.decoder.layers
+
+
+def mask_router(chunks, kept):
+    """Mask the original routers: logits of dropped experts -> -1e9 (and their expert_bias, if any).
+
+    `kept` maps the global layer number (0-based) to the kept global expert ids."""
+    for layer in _layers(chunks):
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        keep = kept[layer.layer_number - 1]
+        mask = torch.full((router.weight.shape[0],), -1e9)
+        mask[keep] = 0.0
+        gating = router.gating
+        router.gating = lambda x, gating=gating, mask=mask: gating(x) + mask.to(x.device)
+        if router.expert_bias is not None:
+            with torch.no_grad():
+                router.expert_bias[mask < 0] = -1e9
+
+
+def forward(chunks, batch):
+    """Logits of `batch` ([b, s, V] fp32) from the model chunks; with PP > 1 through megatron's pipeline
+    schedule, returned on the last stage only (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        with torch.no_grad():
+            return chunks[0](batch["tokens"], batch["position_ids"], None).float().clone()
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    captured = []
+
+    def step(data_iterator, model):
+        data = next(data_iterator)
+        output = model(data["tokens"], data["position_ids"], None)
+
+        def keep(output_tensor):
+            captured.append(output_tensor.float().clone())
+            return output_tensor.float().sum(), {}
+        return output, keep
+
+    batches = [batch] * ps.get_pipeline_model_parallel_world_size()  # interleaving needs >= PP micro-batches
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=step, data_iterator=[iter(batches) for _ in chunks]
+                                    if len(chunks) > 1 else iter(batches), model=chunks,
+                                    num_microbatches=len(batches), seq_length=batch["tokens"].shape[1],
+                                    micro_batch_size=batch["tokens"].shape[0], forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    assert len(captured) == len(batches) and all(torch.equal(c, captured[0]) for c in captured)
+    return captured[0]

@@ -1,0 +1,139 @@
+"""The verification pass and the streaming writers: a proxy that holds the wrong expert, a wrong router row
+or a flipped byte is refused; the writers keep only the kept experts and drop the source's pages."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.plan import Options, make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _swap_first_two(plan):
+    """The plan with the first MoE layer's first two kept experts swapped (a wrong-mapping writer)."""
+    layer = next(iter(plan.kept))
+    kept = list(plan.kept[layer])
+    kept[0], kept[1] = kept[1], kept[0]
+    plan.kept[layer] = kept
+    return plan
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_legacy_verification_refuses_wrong_expert_and_flipped_byte(checkpoints, tmp_path):
+    from mindspeed_proxy.proxy.convert import convert
+    from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint
+    from mindspeed_proxy.proxy.verify import verify_legacy
+
+    src, out = checkpoints("ep2_bias"), str(tmp_path / "proxy")
+    options = Options(target_ep=1, target_k=4)
+    convert(src, out, options, echo=lambda *a: None)
+    assert not os.path.exists(os.path.join(out, ".scratch"))
+    # the source hashes, computed on a background thread, are the plain SHA-256 of every source file
+    from mindspeed_proxy.proxy.manifest import sha256
+
+    recorded = json.load(open(os.path.join(out, "proxy_manifest.json")))["source"]["sha256"]
+    files = sorted(os.path.relpath(os.path.join(b, f), src) for b, _, fs in os.walk(os.path.join(src, "iter_0000002"))
+                   for f in fs)
+    assert sorted(recorded) == files and len(files) == 2
+    assert all(recorded[f] == sha256(os.path.join(src, f)) for f in files)
+    ckpt = LegacyCheckpoint(src)
+    plan = make_plan(ckpt, options)
+    assert verify_legacy(ckpt, plan, out)["experts"] == 2 * 4  # 2 MoE layers x 4 kept experts
+    with pytest.raises(ConversionError, match="verification failed.*differs from source expert"):
+        verify_legacy(ckpt, _swap_first_two(make_plan(ckpt, options)), out)
+    # a flipped byte inside the first kept expert's weight is caught
+    from mindspeed_proxy.checkpoint_io import safe_torch_load
+
+    path = os.path.join(out, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    state = safe_torch_load(path, mmap=True)
+    layer = next(iter(plan.kept))
+    key = next(k for k in state["model"] if k.startswith(layer.prefix + "experts.") and k.endswith("weight"))
+    needle = state["model"][key].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
+    del state
+    data = open(path, "rb").read()
+    assert data.count(needle) == 1
+    _flip_byte(path, data.index(needle) + 3)
+    with pytest.raises(ConversionError, match="verification failed"):
+        verify_legacy(ckpt, plan, out)
+
+
+def test_dist_verification_refuses_wrong_expert_and_flipped_byte(dist_checkpoints, tmp_path):
+    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+    from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+    from mindspeed_proxy.proxy.verify import verify_dist
+
+    src, out = dist_checkpoints("ep2_bias"), str(tmp_path / "proxy")
+    run = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out,
+                          "--target-expert-parallel-size", "1", "--target-num-experts", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    ckpt = DistCheckpoint(src)
+    try:
+        options = Options(target_ep=1, target_k=4)
+        plan = make_plan(ckpt, options)
+        counts = verify_dist(ckpt, plan, out)
+        assert counts["experts"] == 2 * 2 * 4 and counts["router_rows"] == 2 * 2 * 4  # keys x layers x K
+        # the proxy keeps the source's chunking: one chunk per kept expert (and GLU half), nothing else
+        folder = os.path.join(out, "iter_0000002")
+        fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+        got, want = ChunkReader(folder).chunks(fc1), ChunkReader(ckpt.folder).chunks(fc1)
+        assert len(got) == len(want) // 2 and {s for _, s in got} == {s for _, s in want}
+        assert sorted({o[1] for o, _ in got}) == [0, 1, 2, 3]
+        with pytest.raises(ConversionError, match="verification failed.*differs from source expert"):
+            verify_dist(ckpt, _swap_first_two(make_plan(ckpt, options)), out)
+        # flip one byte of the first kept expert's stored bytes
+        reader = ChunkReader(folder)
+        offsets = got[0][0]
+        tensor = reader.read(fc1, offsets)
+        needle = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
+        del tensor, reader
+        shard = os.path.join(folder, "__0_0.distcp")
+        data = open(shard, "rb").read()
+        assert data.count(needle) == 1
+        _flip_byte(shard, data.index(needle) + 5)
+        with pytest.raises(ConversionError, match="verification failed"):
+            verify_dist(ckpt, plan, out)
+    finally:
+        ckpt.close()
+
+
+def _rss_file() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_pages_drop_only_registered_file_mappings(tmp_path):
+    """drop() gives back pages of a registered memory-mapped file and leaves anonymous memory alone."""
+    path = str(tmp_path / "t.pt")
+    torch.save({"w": torch.arange(4 << 20, dtype=torch.float32)}, path)
+    anon = torch.arange(4 << 20, dtype=torch.float32)
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    pages.register(path)
+    try:
+        assert pages.mapped(mapped) and not pages.mapped(anon)
+        before = mapped.sum().item()  # touches every page
+        resident = _rss_file()
+        pages.drop(mapped, anon)
+        assert resident - _rss_file() > 8 << 20  # the 16 MiB of touched file pages left RSS
+        assert mapped.sum().item() == before  # contents come back from the file
+        assert torch.equal(anon, torch.arange(4 << 20, dtype=torch.float32))  # anonymous memory untouched
+    finally:
+        pages.unregister_all()
+    shutil.rmtree(tmp_path, ignore_errors=True)
