@@ -6,6 +6,7 @@ COMMANDS = {
     "patches": ("mindspeed_proxy.patches.__main__", "list the patch registry (--list)"),
     "report": ("mindspeed_proxy.report.cli", "plots + summary of a run dir (RUN_DIR [--out DIR])"),
     "compare": ("mindspeed_proxy.report.compare_cli", "consistency of two run dirs (RUN_A RUN_B)"),
+    "replay": ("mindspeed_proxy.report.replay_cli", "a run's alerts under another detector config (RUN_DIR)"),
 }
 
 

@@ -24,6 +24,7 @@ router_interval: 2
 detect_start: 4
 detector: {warmup: 4, z_threshold: 3.0, persistence: 1, cusum: true}
 router_detector: {warmup: 4, z_threshold: 3.0, persistence: 1}
+detect_scopes: {attention-spectral: [layer, mean], update-spectral: [mean], router: [layer, mean]}
 """
 
 
@@ -136,3 +137,50 @@ def test_summary_html_embeds_every_plot_and_heatmaps_are_optional(runs, tmp_path
     lean = make_report(runs["alerting"], tmp_path / "lean", heatmaps=False)
     assert lean["plots"] == [p for p in summary["plots"] if "heatmap" not in p] and len(lean["plots"]) == 4
     assert not list((tmp_path / "lean").glob("*heatmap*"))
+
+
+def test_replay_reproduces_the_online_alerts_and_answers_what_if(runs, tmp_path, capsys):
+    from mindspeed_proxy.cli import main
+    from mindspeed_proxy.monitor.config import MonitorConfig
+    from mindspeed_proxy.report.replay import replay_alerts
+    from mindspeed_proxy.report.runs import load_run
+
+    run = load_run(runs["alerting"])
+    online = [r for r in jsonl(runs["alerting"] / "mechanism_monitor" / "monitor.jsonl") if r["type"] == "alert"]
+    assert online, "the sensitive run should alert"
+    key = lambda a: (a["step"], a["family"], a["metric"], -1 if a["layer"] is None else a["layer"], a["kind"])  # noqa: E731
+    replayed = replay_alerts(run, MonitorConfig.from_dict(run.config))
+    assert sorted(map(key, replayed)) == sorted(map(key, online))
+    assert {a["family"] for a in online if a["layer"] is None} and all(  # layer-mean series alerted online
+        a["layer"] is None for a in online if a["family"] == "update-spectral")
+    assert all(math.isclose(r["value"], o["value"], rel_tol=1e-12) or not math.isfinite(o["value"])
+               for r, o in zip(sorted(replayed, key=key), sorted(online, key=key)))
+    deaf = tmp_path / "deaf.yaml"  # thresholds no finite series reaches: only non-finite alerts may remain
+    deaf.write_text(SENSITIVE.replace("z_threshold: 3.0", "z_threshold: 1.0e9").replace("cusum: true", "cusum: false"))
+    assert all(a["kind"] == "non-finite" for a in replay_alerts(run, MonitorConfig.from_file(str(deaf))))
+    late = MonitorConfig.from_dict({**run.config, "detect_start": 10 ** 6})
+    assert replay_alerts(run, late) == []
+    assert main(["replay", str(runs["alerting"])]) == 0
+    out = capsys.readouterr().out
+    first = min(online, key=lambda a: a["step"])
+    assert f"first at step {first['step']}" in out
+    assert main(["replay", str(tmp_path / "missing")]) == 2
+
+
+def test_compare_verdict_correlates_the_losses_before_the_first_divergence(runs, tmp_path):
+    derived = tmp_path / "derived"  # derived fixture: the recorded run with its loss blown up from step 30 on
+    shutil.copytree(runs["alerting"], derived)
+    recs = jsonl(derived / "metrics.jsonl")
+    with open(derived / "metrics.jsonl", "w") as f:
+        for r in recs:
+            if r["type"] == "step" and r["iteration"] >= 30:
+                r = {**r, "loss": 50.0 + 3.0 * r["iteration"] - r["loss"]}
+            f.write(json.dumps(r) + "\n")
+    result = compare_runs(runs["alerting"], derived)
+    div_a = result["a"]["divergence_step"]
+    cut = min(s for s in (div_a, 30) if s is not None)
+    assert result["b"]["divergence_step"] == 30 or (div_a is not None and div_a < 30)
+    pre = result["loss_before_divergence"]
+    assert pre["before"] == cut and pre["common_steps"] == cut - 1
+    assert pre["pearson"] == pytest.approx(1.0) and result["loss"]["pearson"] < 0.99
+    assert not any("Pearson" in r for r in result["reasons"])

@@ -86,7 +86,9 @@ def main(argv=None) -> int:
     from mindspeed_proxy.experiments import Matrix, Progress, load_config, tables
     from mindspeed_proxy.experiments.publish import publish, reports
 
-    t0, load_start = time.time(), os.getloadavg()
+    from mindspeed_proxy.experiments.matrix import cpu_times, steal_fraction
+
+    t0, load_start, cpu_start = time.time(), os.getloadavg(), cpu_times()
     cfg = load_config(a.config, a.mode)
     if a.warmup_iters:
         cfg["warmup"] = {**cfg["warmup"], "iters": a.warmup_iters}
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
     extra = {"seconds": time.time() - t0, "cpus": os.cpu_count(), "command": cmd,
              "load_start": " ".join(f"{x:.1f}" for x in load_start),
              "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "kept": m.convert_info.get("kept"),
+             "steal": steal_fraction(cpu_start, cpu_times()),
              "warmup": None if m.warmup_result is None else m.warmup_result.to_dict(),
              "reuse": a.reuse, "folder": os.path.basename(os.path.splitext(a.doc)[0]) if a.doc else "fault_matrix"}
     page = tables.markdown(cfg, data, e4_data, extra)

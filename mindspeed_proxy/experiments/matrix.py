@@ -83,6 +83,22 @@ class Progress:
                 print(f"[{time.time() - self.t0:6.0f}s] {message}", flush=True)
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs since boot from /proc/stat ((0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_fraction(start: tuple[int, int], end: tuple[int, int]) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two cpu_times() readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total if total > 0 else None
+
+
 def launch(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, float, float]:
     """Run `cmd` with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,10 @@ class MonitorConfig:
         "update-spectral": ["entropy", "effective_rank", "top1_energy"],
         "router": ["entropy", "similarity", "max_over_mean"],
     })
+    # per family: "layer" tests each layer's series, "mean" the mean over layers (reported with layer None);
+    # the mean is the quieter signal for a fault that moves every layer, per layer catches one layer
+    detect_scopes: dict[str, list[str]] = field(default_factory=lambda: {
+        "attention-spectral": ["layer"], "update-spectral": ["layer"], "router": ["layer"]})
     output_dir: str = "mechanism_monitor"
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl, csv, tensorboard, wandb
     log_rank: int = 0  # global rank that writes sinks (all ranks hold identical results)
@@ -60,9 +64,33 @@ class MonitorConfig:
         bad = [m for m in self.update_matrices if m not in UPDATE_MATRICES]
         if bad:
             raise ValueError(f"update_matrices: unknown {bad}; expected a subset of {list(UPDATE_MATRICES)}")
+        bad = {f: v for f, v in self.detect_scopes.items()
+               if not isinstance(v, list) or not set(v) <= {"layer", "mean"}}
+        if bad:
+            raise ValueError(f"detect_scopes: {bad}; expected lists of 'layer' and/or 'mean' per family")
         bad = [s for s in self.sinks if s not in ("jsonl", "csv", "tensorboard", "wandb")]
         if bad:
             raise ValueError(f"sinks: unknown {bad}; expected jsonl, csv, tensorboard, wandb")
+
+    def tested_metrics(self, family: str, metrics) -> list[str]:
+        """The names among `metrics` (a family's per-layer metric names) that its detectors test."""
+        wanted = self.detect_metrics.get(family, [])
+        if family == "update-spectral":  # names are "slot/stat"; stats from detect_metrics, slots from detect_slots
+            return [m for m in metrics if m.rsplit("/", 1)[-1] in wanted and m.rsplit("/", 1)[0] in self.detect_slots]
+        return [m for m in metrics if m in wanted]
+
+    def detection_series(self, family: str, per_layer: dict) -> dict[tuple, float]:
+        """What the detectors test of one sample ({metric: {layer: value}}): {(family, metric, layer, None): v},
+        per layer and/or (layer None) the mean over layers, as `detect_scopes` says."""
+        scopes = self.detect_scopes.get(family, ["layer"])
+        series = {}
+        for metric in self.tested_metrics(family, per_layer):
+            layers = per_layer[metric]
+            if "layer" in scopes:
+                series.update(((family, metric, layer, None), v) for layer, v in layers.items())
+            if "mean" in scopes and layers:
+                series[(family, metric, None, None)] = sum(float(v) for v in layers.values()) / len(layers)
+        return series
 
     def snapshot_step(self, step: int) -> bool:
         """Whether W is snapshotted after optimizer step `step` (so that ΔW spans δ at the sample)."""

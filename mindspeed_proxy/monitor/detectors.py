@@ -64,12 +64,25 @@ class DetectorConfig:
     cusum_k: float = 1.0  # allowance in z units: only z above it accumulates
     cusum_h: float = 10.0
     min_scale: float = 1e-8  # absolute floor on the baseline scale (MAD = 0 on constant series)
+    min_rel_scale: float = 0.0  # floor on the scale relative to |baseline|: z = 1 needs a change of this fraction
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # YAML 1.1 reads "1.0e9" as a string: coerce, or name the key
+            if f.type in ("int", "float", "bool"):
+                value = getattr(self, f.name)
+                try:
+                    cast = {"int": int, "float": float, "bool": bool}[f.type](value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"detector {f.name}: expected a number, got {value!r}") from None
+                if f.type == "int" and cast != value or f.type == "bool" and not isinstance(value, (bool, int)):
+                    raise ValueError(f"detector {f.name}: expected {f.type}, got {value!r}")
+                setattr(self, f.name, cast)
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.min_rel_scale < 0 or self.min_scale < 0:
+            raise ValueError("min_scale and min_rel_scale must be ≥ 0")
         if self.warmup < 2 or self.persistence < 1:
             raise ValueError("warmup must be ≥ 2 and persistence ≥ 1")
 
@@ -166,7 +179,7 @@ class SeriesDetector:
             center = statistics.fmean(self._warm)
             self._var = statistics.pvariance(self._warm, center)
         self.baseline = center
-        self.scale = max(math.sqrt(self._var), cfg.min_scale)
+        self._set_scale()
         self._warm = []
 
     def _ema_update(self, value: float) -> None:
@@ -174,7 +187,11 @@ class SeriesDetector:
         diff = value - self.baseline
         self.baseline += alpha * diff
         self._var = (1.0 - alpha) * (self._var + alpha * diff * diff)
-        self.scale = max(math.sqrt(self._var), self.config.min_scale)
+        self._set_scale()
+
+    def _set_scale(self) -> None:
+        cfg = self.config
+        self.scale = max(math.sqrt(self._var), cfg.min_scale, cfg.min_rel_scale * abs(self.baseline))
 
     def _alert(self, step, value, z, kind) -> dict[str, Any]:
         return {"step": int(step), "value": value, "baseline": self.baseline, "z": z, "kind": kind,

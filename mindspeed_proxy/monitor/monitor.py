@@ -187,8 +187,7 @@ class MechanismMonitor:
                 for metric, value in rec.items():
                     if metric != "load":
                         per_layer.setdefault(metric, {})[layer] = value
-            self._publish("router", iteration, records, per_layer, self.router_detectors,
-                          self.config.detect_metrics.get("router", []))
+            self._publish("router", iteration, records, per_layer, self.router_detectors)
         except Exception:
             self._fail("router")
         stats.reset()
@@ -317,10 +316,7 @@ class MechanismMonitor:
                 for slot, stats in rec.items():
                     for stat, value in stats.items():
                         per_layer.setdefault(f"{slot}/{stat}", {})[layer] = value
-        wanted = self.config.detect_metrics.get("update-spectral", [])
-        metrics = [m for m in per_layer if m.rsplit("/", 1)[-1] in wanted
-                   and m.rsplit("/", 1)[0] in self.config.detect_slots]
-        self._publish("update-spectral", iteration, records, per_layer, self.spectral_detectors, metrics)
+        self._publish("update-spectral", iteration, records, per_layer, self.spectral_detectors)
 
     def _publish_attention(self, iteration: int, table: torch.Tensor) -> None:
         present = table[..., NSTAT] > 0  # [L, H, T]
@@ -342,14 +338,12 @@ class MechanismMonitor:
                 for stat, value in rec[term]["mean"].items():
                     per_layer.setdefault(f"{term}/{stat}", {})[layer] = value
             records[layer] = rec
-        self._publish("attention-spectral", iteration, records, per_layer, self.spectral_detectors,
-                      self.config.detect_metrics.get("attention-spectral", []))
+        self._publish("attention-spectral", iteration, records, per_layer, self.spectral_detectors)
 
     # ---------------------------------------------------------------- detection and sinks
-    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, detect_metrics) -> None:
+    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank) -> None:
         self.last[family] = {"step": iteration, "layers": records}
-        series = {(family, m, layer, None): v for m, layers in per_layer.items() if m in detect_metrics
-                  for layer, v in layers.items()}
+        series = self.config.detection_series(family, per_layer)
         alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
         self.alerts.extend(alerts)
         self._emit({"type": "sample", "family": family, "step": iteration, "layers": records})

@@ -10,7 +10,8 @@ from mindspeed_proxy.report.runs import FAMILIES, Run, family_aggregate, headlin
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What `consistent` means: both diverge or neither, first alerts within ±alert_tolerance, loss Pearson ≥ min_loss_pearson."""
+    """What `consistent` means: both diverge or neither, first alerts within ±alert_tolerance, loss Pearson ≥
+    min_loss_pearson on the common steps before the first divergence (all common steps when neither diverges)."""
 
     min_loss_pearson: float = 0.95
     alert_tolerance: float = 0.25  # relative to the first run's first-alert step
@@ -58,6 +59,10 @@ def compare_runs(a, b, rule: DivergenceRule = DivergenceRule(), thresholds: Thre
     sa, sb = _side(ra, rule), _side(rb, rule)
     steps, la, lb = _common(ra.steps, ra.loss, rb.steps, rb.loss)
     loss = {**correlations(la, lb), "common_steps": len(steps)}
+    # after a divergence the two losses blow up differently: the verdict correlates the steps before it
+    cut = min((s["divergence_step"] for s in (sa, sb) if s["diverged"]), default=None)
+    pre = [i for i, s in enumerate(steps) if cut is None or s < cut]
+    loss_pre = {**correlations([la[i] for i in pre], [lb[i] for i in pre]), "common_steps": len(pre), "before": cut}
     families = {}
     for fam in FAMILIES:
         if not (ra.samples.get(fam) and rb.samples.get(fam)):
@@ -73,11 +78,14 @@ def compare_runs(a, b, rule: DivergenceRule = DivergenceRule(), thresholds: Thre
         reasons.append("one run alerted and the other did not")
     elif fa_ is not None and abs(fb_ - fa_) > thresholds.alert_tolerance * max(fa_, 1):
         reasons.append(f"first alerts {fa_} vs {fb_} differ by more than {thresholds.alert_tolerance:.0%}")
-    if loss["common_steps"] < thresholds.min_common_steps:
-        reasons.append(f"only {loss['common_steps']} common steps")
-    elif loss["pearson"] is None or loss["pearson"] < thresholds.min_loss_pearson:
-        reasons.append(f"loss Pearson {loss['pearson']} < {thresholds.min_loss_pearson}")
-    return {"a": sa, "b": sb, "loss": loss, "families": families,
+    if loss_pre["common_steps"] < thresholds.min_common_steps:
+        reasons.append(f"only {loss_pre['common_steps']} common steps before divergence")
+    elif loss_pre["pearson"] is None:
+        reasons.append("loss Pearson undefined (a constant loss)")
+    elif loss_pre["pearson"] < thresholds.min_loss_pearson:
+        where = "" if cut is None else f" (steps before {cut})"
+        reasons.append(f"loss Pearson {loss_pre['pearson']:.4g} < {thresholds.min_loss_pearson}{where}")
+    return {"a": sa, "b": sb, "loss": loss, "loss_before_divergence": loss_pre, "families": families,
             "verdict": "consistent" if not reasons else "inconsistent", "reasons": reasons,
             "thresholds": asdict(thresholds), "divergence_rule": rule.as_dict()}
 
@@ -103,11 +111,16 @@ def format_table(result: dict) -> str:
     loss = result["loss"]
     lines += ["", f"loss on {loss['common_steps']} common steps: Pearson {_fmt(loss['pearson'])}, "
               f"Spearman {_fmt(loss['spearman'])}"]
+    pre = result["loss_before_divergence"]
+    if pre["before"] is not None:
+        lines.append(f"loss on the {pre['common_steps']} common steps before step {pre['before']} (first divergence): "
+                     f"Pearson {_fmt(pre['pearson'])}, Spearman {_fmt(pre['spearman'])}")
     for fam, c in result["families"].items():
         lines.append(f"{fam} ({c['metric']}, {c['n']} samples): Pearson {_fmt(c['pearson'])}, "
                      f"Spearman {_fmt(c['spearman'])}")
     t = result["thresholds"]
-    lines.append(f"verdict: {result['verdict']} (loss Pearson >= {t['min_loss_pearson']}, first alerts within "
+    lines.append(f"verdict: {result['verdict']} (loss Pearson >= {t['min_loss_pearson']} before the first "
+                 f"divergence, first alerts within "
                  f"±{t['alert_tolerance']:.0%}, same divergence outcome)")
     lines += [f"  - {r}" for r in result["reasons"]]
     return "\n".join(lines)

@@ -7,7 +7,8 @@ import statistics
 from pathlib import Path
 
 from mindspeed_proxy.report.divergence import DivergenceRule, divergence_step
-from mindspeed_proxy.report.runs import FAMILIES, Run, family_aggregate, family_matrix, headline_metric, load_run
+from mindspeed_proxy.report.runs import (FAMILIES, Run, family_aggregate, family_matrix, headline_metric,
+                                         layer_label, load_run)
 
 
 def _plt():
@@ -141,12 +142,13 @@ def summarize(run: Run, rule: DivergenceRule = DivergenceRule()) -> dict:
 
 def _markdown(s: dict, plots: list[str]) -> str:
     """The summary as one markdown page."""
-    div = s["divergence_step"]
+    div, fa = s["divergence_step"], s["first_alert"]
+    first = "no alerts" if fa is None else f"step {fa['step']} ({fa['family']}: {fa['metric']}, {layer_label(fa['layer'])})"
     lines = [f"# Run report: `{s['run_dir']}`", "",
              f"- steps: {s['steps']} (last {s['last_step']})",
              f"- faults: {', '.join(f.get('name', '?') + ' @ ' + str(f.get('start')) for f in s['faults']) or 'none'}",
              "- divergence: " + ("no divergence" if div is None else f"step {div} ({s['divergence_reason']})"),
-             f"- first alert: {'no alerts' if s['first_alert'] is None else 'step {step} ({family}: {metric}, layer {layer})'.format(**s['first_alert'])}",
+             f"- first alert: {first}",
              f"- lead time (divergence step − first alert step): {'n/a' if s['lead_time'] is None else s['lead_time']}",
              f"- mechanism: {s['mechanism'] or 'n/a'}", f"- hint: {s['hint'] or 'n/a'}",
              f"- monitor errors: {s['monitor_errors']}", "", "## First alert per family", "",
@@ -156,7 +158,7 @@ def _markdown(s: dict, plots: list[str]) -> str:
             lines.append(f"| {fam} | no alerts | | | | | |")
         else:
             z = "" if a["z"] is None else f"{a['z']:.3g}"
-            lines.append(f"| {fam} | {a['step']} | {a['metric']} | {a['layer']} | {z} | {a['kind']} | {a['mechanism']} |")
+            lines.append(f"| {fam} | {a['step']} | {a['metric']} | {layer_label(a['layer'])} | {z} | {a['kind']} | {a['mechanism']} |")
     r = s["divergence_rule"]
     lines += ["", "## Divergence rule", "", f"{r['definition']}; warmup={r['warmup']}, "
               f"loss_factor={r['loss_factor']}, grad_factor={r['grad_factor']}.", "", "## Plots", ""]

@@ -96,6 +96,11 @@ def load_run(run_dir) -> Run:
     return run
 
 
+def layer_label(layer) -> str:
+    """How an alert's layer reads: "layer N", or "mean over layers" for a layer-mean series (layer None)."""
+    return "mean over layers" if layer is None else f"layer {layer}"
+
+
 def layer_value(family: str, layer_rec, metric: str) -> float:
     """One metric of one layer's sample record; `metric` is 'term/stat' or 'slot/stat' or 'stat'."""
     if not isinstance(layer_rec, dict):

@@ -179,6 +179,12 @@ def test_bank_non_finite_labels_and_validation():
         bank.update(("loss", "entropy", 0, None), 0, 1.0)
     with pytest.raises(ValueError):
         DetectorConfig(direction="sideways")
+    # YAML 1.1 reads "1.0e9" as a string: numeric strings are coerced, anything else names the key
+    assert DetectorConfig(z_threshold="1.0e9", warmup=6.0).z_threshold == 1e9
+    for bad, key in (({"z_threshold": "high"}, "z_threshold"), ({"warmup": 5.5}, "warmup"),
+                     ({"cusum": "yes"}, "cusum")):
+        with pytest.raises(ValueError, match=key):
+            DetectorConfig(**bad)
 
 
 def test_bank_per_metric_config_and_tensor_values():

@@ -22,10 +22,26 @@ def test_config_from_yaml_and_json(tmp_path):
     ({"interval": 10, "delta": 20}, "1 ≤ delta ≤ interval"),
     ({"qk_terms": ["delta4"]}, "qk_terms"),
     ({"sinks": ["stdout"]}, "sinks"),
+    ({"detect_scopes": {"router": ["median"]}}, "detect_scopes"),
+    ({"detector": {"z_threshold": "high"}}, "z_threshold"),
 ])
 def test_config_errors_name_the_key(data, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         MonitorConfig.from_dict(data)
+
+
+def test_detection_series_per_layer_and_layer_mean():
+    per_layer = {"entropy": {0: 1.0, 1: 2.5, 3: 3.5}, "margin": {0: 9.0}}
+    cfg = MonitorConfig(detect_metrics={"router": ["entropy"]})
+    assert cfg.detection_series("router", per_layer) == {("router", "entropy", i, None): v
+                                                        for i, v in per_layer["entropy"].items()}
+    cfg.detect_scopes = {"router": ["mean"]}
+    assert cfg.detection_series("router", per_layer) == {("router", "entropy", None, None): 7.0 / 3}
+    cfg.detect_scopes = {"router": ["layer", "mean"]}
+    assert len(cfg.detection_series("router", per_layer)) == 4
+    update = {"linear_qkv/entropy": {0: 1.0, 1: 2.0}, "router/entropy": {0: 5.0}, "linear_qkv/frobenius": {0: 3.0}}
+    cfg = MonitorConfig(detect_scopes={"update-spectral": ["mean"]})  # default slots: linear_qkv, linear_proj
+    assert cfg.detection_series("update-spectral", update) == {("update-spectral", "linear_qkv/entropy", None, None): 1.5}
 
 
 def test_snapshot_and_sample_schedule():
