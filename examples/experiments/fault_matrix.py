@@ -26,8 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [ROOT, HERE]
 
 
-def e4(matrix, cfg: dict, progress) -> dict:
-    """Eval loss of the original (all experts, EP=1) and clustered / random / most-used proxies at the same K."""
+def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
+    """Eval loss of the original (all experts, EP=1) and clustered / random / most-used proxies at the same K,
+    `workers` evaluations (1 rank each) at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import proxy_fidelity as pf  # examples/experiments/proxy_fidelity.py
 
     from mindspeed_proxy.testing import run_distributed
@@ -38,24 +41,26 @@ def e4(matrix, cfg: dict, progress) -> dict:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned eval ranks: megatron's CPU-only notices
     count, ev = (0, c["count_samples"]), (c["count_samples"], c["count_samples"] + c["eval_samples"])
 
-    def loss(name, experts, extra, count_range=None):
-        kept = pf.convert(src, str(work / name), experts, extra)
+    def loss(job):
+        name, experts, extra, count_range = job
+        pf.convert(src, str(work / name), experts, extra)
         out = run_distributed(pf.evaluate, 1, str(work / name), experts, iters, count_range, ev, timeout=900)[0]
         progress(f"E4 {name}: eval loss {out['loss']:.4f}")
-        return out, kept
+        return out
 
     progress(f"E4: eval loss on valid samples [{ev[0]}, {ev[1]}) ...")
-    ref, _ = loss("original_ep1", n, [], count)
     usage = work / "usage.json"
-    usage.write_text(json.dumps(ref["usage"]))
-    rows = [{"k": n, "selection": "original (all experts)", "loss": ref["loss"]}]
-    rows.append({"k": k, "selection": "clustered (the proxy's selection)",
-                 "loss": loss("cluster", k, cfg["proxy"].get("convert_args", []))[0]["loss"]})
-    rand = [loss(f"random_s{s}", k, ["--selection", "random", "--seed", str(s)])[0]["loss"] for s in c["random_seeds"]]
-    rows.append({"k": k, "selection": f"random, seeds {c['random_seeds']}", "loss": statistics.mean(rand),
-                 "std": statistics.stdev(rand) if len(rand) > 1 else 0.0, "all": rand})
-    rows.append({"k": k, "selection": "most-used (usage counts)",
-                 "loss": loss("usage", k, ["--selection", "usage", "--usage-file", str(usage)])[0]["loss"]})
+    jobs = [("original_ep1", n, [], count), ("cluster", k, cfg["proxy"].get("convert_args", []), None)]
+    jobs += [(f"random_s{s}", k, ["--selection", "random", "--seed", str(s)], None) for s in c["random_seeds"]]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        ref, clustered, *rand = [o["loss"] if i else o for i, o in enumerate(pool.map(loss, jobs))]
+    usage.write_text(json.dumps(ref["usage"]))  # most-used selection needs the original's usage counts
+    used = loss(("usage", k, ["--selection", "usage", "--usage-file", str(usage)], None))["loss"]
+    rows = [{"k": n, "selection": "original (all experts)", "loss": ref["loss"]},
+            {"k": k, "selection": "clustered (the proxy's selection)", "loss": clustered},
+            {"k": k, "selection": f"random, seeds {c['random_seeds']}", "loss": statistics.mean(rand),
+             "std": statistics.stdev(rand) if len(rand) > 1 else 0.0, "all": rand},
+            {"k": k, "selection": "most-used (usage counts)", "loss": used}]
     desc = (f"Held-out data: the trainer's valid split (disjoint documents); usage counted on valid samples "
             f"[{count[0]}, {count[1]}), eval loss = token-weighted mean LM loss on [{ev[0]}, {ev[1]}) "
             f"({c['eval_samples'] * 64} tokens), functions of examples/experiments/proxy_fidelity.py; the original "
@@ -75,7 +80,9 @@ def main(argv=None) -> int:
                    "fault_matrix.md, fault_matrix_quick.md with --quick); plots and raw JSONL go in <doc stem>/")
     p.add_argument("--grid", default=None, help="subset, e.g. original:none,original:lowp-attention,proxy:lowp-attention")
     p.add_argument("--no-e4", action="store_true", help="skip E4 (capability retention)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1: clean cost numbers)")
+    p.add_argument("--slots", type=int, default=os.cpu_count() or 1,
+                   help="cores to fill with runs (one per rank; default: all): the 2-rank original runs one at a "
+                        "time on 2 cores, the 1-rank proxy runs two at a time; 1 = strictly one run at a time")
     p.add_argument("--reuse", action="store_true", help="reuse the warm-up checkpoint and finished runs in --work-dir")
     p.add_argument("--warmup-iters", type=int, default=None, help="override the warm-up length (CI only)")
     p.add_argument("--iters", type=int, default=None, help="override the run length (CI only)")
@@ -98,11 +105,13 @@ def main(argv=None) -> int:
     progress = Progress()
     pairs = ([tuple(x.split(":")) for x in a.grid.split(",")] if a.grid else
              [(m, f) for f in cfg["faults"] for m in ("original", "proxy")])
+    order = sorted(range(len(pairs)), key=lambda i: -cfg[pairs[i][0]]["ranks"])  # widest first, so narrow runs pair up
     progress(f"fault matrix ({a.mode}): {len(pairs)} runs, work dir {work}")
     m = Matrix(cfg, work, ROOT, progress, reuse=a.reuse)
     m.warmup()
     m.convert()
-    results = m.run_grid(pairs, jobs=a.jobs)
+    done = m.run_grid([pairs[i] for i in order], slots=a.slots)
+    results = [done[order.index(i)] for i in range(len(pairs))]
     cached = m.work / "e4" / "result.json"
     if a.no_e4:
         e4_data = None
@@ -110,7 +119,7 @@ def main(argv=None) -> int:
         e4_data = json.loads(cached.read_text())
         progress(f"E4: reusing {cached}")
     else:
-        e4_data = e4(m, cfg, progress)
+        e4_data = e4(m, cfg, progress, workers=a.slots)
         cached.write_text(json.dumps({**e4_data, "config": cfg["e4"]}))
     progress("reports ...")
     summaries = reports(results, m.work / "reports", tables.rule_of(cfg))

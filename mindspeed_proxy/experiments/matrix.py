@@ -215,12 +215,29 @@ class Matrix:
                       f"{_last_step(run_dir).get('loss', float('nan')):.3f}")
         return res
 
-    def run_grid(self, pairs: list[tuple[str, str]], jobs: int = 1) -> list[RunResult]:
-        """Run every (model, fault) pair, `jobs` at a time; results in the order of `pairs`."""
-        if jobs <= 1:
+    def run_grid(self, pairs: list[tuple[str, str]], slots: int = 1) -> list[RunResult]:
+        """Run every (model, fault) pair, in order, as many at once as fit in `slots` cores (a run takes one
+        core per rank, one rank per core); results in the order of `pairs`."""
+        if slots <= 1:
             return [self.run_one(m, f) for m, f in pairs]
-        with ThreadPoolExecutor(jobs) as pool:
-            return list(pool.map(lambda mf: self.run_one(*mf), pairs))
+        turn, free, cond = [0], [slots], threading.Condition()
+
+        def one(index_pair):
+            index, (model, fault) = index_pair
+            need = min(self.cfg[model]["ranks"], slots)
+            with cond:  # first come first served: a run waits for its turn, then for its cores
+                cond.wait_for(lambda: turn[0] == index and free[0] >= need)
+                turn[0], free[0] = turn[0] + 1, free[0] - need
+                cond.notify_all()
+            try:
+                return self.run_one(model, fault)
+            finally:
+                with cond:
+                    free[0] += need
+                    cond.notify_all()
+
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            return list(pool.map(one, enumerate(pairs)))
 
 
 def _last_step(log_dir) -> dict:
