@@ -85,3 +85,12 @@ def test_run_grid_fills_the_cores_in_order_and_returns_results_in_order(tmp_path
     ranks = [sum(cfg[m]["ranks"] for m in snapshot) for snapshot in peaks]
     assert max(ranks) == 2, f"more ranks than slots at once: {peaks}"
     assert ["proxy", "proxy"] in peaks, f"the 1-rank runs never overlapped: {peaks}"
+
+
+def test_bad_grid_is_refused_before_any_training(tmp_path):
+    cmd = [sys.executable, str(REPO / "examples" / "experiments" / "fault_matrix.py"), "--grid",
+           "proxy:nofault,original", "--no-e4", "--work-dir", str(tmp_path / "work"), "--doc", ""]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("error:") == 1
+    assert "proxy:nofault,original" in out.stderr and "lowp-attention" in out.stderr
+    assert not (tmp_path / "work").exists()

@@ -105,6 +105,10 @@ def main(argv=None) -> int:
     progress = Progress()
     pairs = ([tuple(x.split(":")) for x in a.grid.split(",")] if a.grid else
              [(m, f) for f in cfg["faults"] for m in ("original", "proxy")])
+    bad = [":".join(x) for x in pairs if len(x) != 2 or x[0] not in ("original", "proxy") or x[1] not in cfg["faults"]]
+    if bad:  # before the warm-up, not after it
+        p.error(f"--grid {','.join(bad)}: expected MODEL:FAULT with MODEL original|proxy and FAULT one of "
+                f"{', '.join(cfg['faults'])}")
     order = sorted(range(len(pairs)), key=lambda i: -cfg[pairs[i][0]]["ranks"])  # widest first, so narrow runs pair up
     progress(f"fault matrix ({a.mode}): {len(pairs)} runs, work dir {work}")
     m = Matrix(cfg, work, ROOT, progress, reuse=a.reuse)
