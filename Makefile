@@ -5,20 +5,23 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mindspeed-proxy-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean-venv
+.PHONY: setup demo rl-demo test clean-venv
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch 2.13.0 lies on local disk; megatron-core 0.16.1 is the newest for Python 3.11
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check megatron-core==0.16.1
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,report,proxy]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,report,proxy,hf]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/demo.py
+
+rl-demo: setup
+	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -28,6 +28,9 @@ setup(
         "report": ["matplotlib"],
         "npu": ["torch_npu"],
         "proxy": ["scipy", "scikit-learn", "tqdm"],
+        # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
+        # transformers (tested on 5.23.0, which needs no newer torch) builds the tiny models of the tests
+        "hf": ["safetensors>=0.8", "transformers==5.23.0"],
     },
     entry_points={"console_scripts": ["mindspeed-proxy=mindspeed_proxy.cli:main"]},
 )

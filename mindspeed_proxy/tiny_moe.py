@@ -1,4 +1,4 @@
-"""Tiny megatron-core GPT-MoE models (GQA, RoPE, SwiGLU, RMSNorm) built with the local layer spec.
+"""Tiny megatron-core GPT-MoE models (GQA or MLA, RoPE, SwiGLU, RMSNorm) built with the local layer spec.
 
 The same builder serves the tests, the example trainer and the demo, so a model in a test is the
 model users train. Parallel sizes come from megatron's `parallel_state`, which must be initialised.
@@ -41,6 +41,14 @@ class TinyMoEConfig:
     sequence_parallel: bool = False
     qk_layernorm: bool = False
     position_embedding_type: str = "rope"
+    # DeepSeek multi-latent attention (megatron's MLATransformerConfig; q_lora_rank None = no query down-projection)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 16
+    rope_type: str = "rope"  # MLA RoPE: "rope" or "yarn" (both run on CPU without fusion)
     extra: dict = field(default_factory=dict)  # any other TransformerConfig field
 
     def replace(self, **changes) -> "TinyMoEConfig":
@@ -51,7 +59,7 @@ class TinyMoEConfig:
 def transformer_config(cfg: TinyMoEConfig):
     """Build megatron's TransformerConfig for `cfg` at the current parallel_state sizes."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     kwargs = dict(
@@ -103,20 +111,34 @@ def transformer_config(cfg: TinyMoEConfig):
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_router_dtype="fp32",
         )
+    if cfg.multi_latent_attention:
+        kwargs.update(
+            multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+            rope_type=cfg.rope_type, rotary_scaling_factor=1.0,
+            num_query_groups=cfg.num_attention_heads,  # MLA keys are per head (DotProductAttention repeats groups)
+            kv_channels=cfg.v_head_dim,
+        )
     kwargs.update(cfg.extra)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig)(**kwargs)
 
 
 def layer_spec(config, vp_stage: Optional[int] = None):
-    """Return megatron's local GPT decoder block spec for `config` (model chunk `vp_stage`), with SP-capable norms."""
+    """Return megatron's local GPT decoder block spec for `config` (model chunk `vp_stage`), with SP-capable norms
+    (and, for MLA, a local core attention that takes MLA's q/k and value head dims)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from mindspeed_proxy.norms import with_sequence_parallel_norms
 
-    return with_sequence_parallel_norms(
+    spec = with_sequence_parallel_norms(
         get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                    vp_stage=vp_stage)
     )
+    if getattr(config, "multi_latent_attention", False):
+        from mindspeed_proxy.mla_attention import with_mla_core_attention
+
+        spec = with_mla_core_attention(spec)
+    return spec
 
 
 def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None):

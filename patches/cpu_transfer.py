@@ -306,6 +306,14 @@ def _class(cls):
     return lambda _original: cls
 
 
+def _te_installed(original):
+    """megatron-core's MLA sets HAVE_TE when its TE extension imports, which it does with a MagicMock `te`
+    when TE is absent; then `isinstance(linear_proj, TELinear)` raises: answer False without TE."""
+    import importlib.util
+
+    return bool(original) and importlib.util.find_spec("transformer_engine") is not None
+
+
 def _allow_no_cuda(original):
     """Megatron-LM's `initialize_megatron` asserts `torch.cuda.is_available()` unless its own
     `allow_no_cuda=True` is passed; on the CPU platform pass it (nothing else in the call changes)."""
@@ -374,6 +382,7 @@ def _register_all() -> None:
         ("megatron.core.transformer.moe.grouped_gemm_util:ops", _fallback(CPUGroupedGemmOps), False),
         ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu", _host_copy, False),
         ("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu", _host_copy, False),
+        ("megatron.core.transformer.multi_latent_attention:HAVE_TE", _te_installed, True),
     ]
     for target, build, optional in megatron_rows:
         register(Patch(target, build, FEATURE, optional=optional))

@@ -2,6 +2,8 @@
 
 - `lr-spike`: OptimizerParamScheduler.get_lr × x for the steps >= start.
 - `router-bf16`: TopKRouter.gating's logits rounded through bf16 (instead of the fp32 router).
+- `rollout-router-noise` (RL): TopKRouter.gating's logits + N(0, std²) in rollout passes only, so near-tie
+  routes flip between the sampler and the trainer (RUNTIME.phase says which pass runs).
 - `small-gbs`: megatron's micro-batch calculator reports global batch `gbs` (fewer micro-batches per
   DP rank) for the steps >= start; Megatron-LM's loop and our trainer size each step by it.
 - `grad-overflow`: after Megatron's finalize_model_grads, the first gradient element of the first
@@ -46,14 +48,24 @@ def get_lr_wrapper(original):
 
 
 def gating_wrapper(original):
-    """Round the router logits through bf16 from step `start` (router-bf16)."""
+    """Round the router logits through bf16 (router-bf16); add noise in rollout passes (rollout-router-noise)."""
 
     @functools.wraps(original)
     def gating(self, input):
         logits = original(self, input)
         fault = _fault("router-bf16")
         if fault is not None and fault.active(_upcoming_step()):
-            return logits.to(torch.bfloat16).to(logits.dtype)
+            logits = logits.to(torch.bfloat16).to(logits.dtype)
+        noise = _fault("rollout-router-noise")
+        if noise is not None and RUNTIME.phase == "rollout" and noise.active(_upcoming_step()):
+            if getattr(self, "_rollout_noise_generator", None) is None:
+                import torch.distributed as dist
+
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._rollout_noise_generator = torch.Generator(device=logits.device).manual_seed(
+                    noise["seed"] * 65537 + rank * 131 + self.layer_number)
+            logits = logits + noise["std"] * torch.randn(logits.shape, generator=self._rollout_noise_generator,
+                                                         device=logits.device, dtype=logits.dtype)
         return logits
 
     return gating

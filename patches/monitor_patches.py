@@ -66,7 +66,7 @@ def router_routing_wrapper(original):
     def routing(self, logits, *args, **kwargs):
         result = original(self, logits, *args, **kwargs)
         monitor = RUNTIME.monitor
-        if monitor is not None:
+        if monitor is not None and RUNTIME.phase == "train":
             monitor.on_router_logits(self.layer_number, logits, result[1])
         return result
 

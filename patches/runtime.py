@@ -12,6 +12,7 @@ class MonitorRuntime:
         self.monitor = None  # the MechanismMonitor of this process, once an optimizer exists
         self.iteration: Optional[int] = None  # steps taken so far (None: ask Megatron-LM's args)
         self.faults: list = []  # FaultSpec of every active fault injector
+        self.phase = "train"  # "rollout" / "recompute" in an RL loop: only "train" passes feed the router family
         self.tensorboard_writer = None
         self.wandb_writer = None
 

@@ -81,8 +81,9 @@ def test_small_gbs_halves_the_batch_from_start(healthy):
     assert small[4]["grad_norm"] != pytest.approx(healthy[4]["grad_norm"], rel=1e-3)
 
 
-def core_attention_fp32_matches_megatron():
-    """Megatron's DotProductAttention vs the same module routed through the emulator at fp32."""
+def core_attention_fp32_matches_megatron(mla=False):
+    """Megatron's DotProductAttention vs the same module routed through the emulator at fp32 (MLA: its
+    local subclass, q/k head dim 24 = qk_head_dim 16 + RoPE 8, value head dim 16)."""
     import torch
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -91,13 +92,22 @@ def core_attention_fp32_matches_megatron():
     from mindspeed_proxy.tiny_moe import transformer_config
 
     init_parallel()
-    config = transformer_config(TinyMoEConfig(num_layers=1, num_attention_heads=4, num_query_groups=2))
-    attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                    attention_type="self")
+    if mla:
+        from mindspeed_proxy.mla_attention import MLADotProductAttention
+
+        config = transformer_config(TinyMoEConfig(num_layers=1, num_attention_heads=4, multi_latent_attention=True))
+        attention = MLADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                           attention_type="self", softmax_scale=0.2, k_channels=24, v_channels=16)
+        groups, hk = 4, 24
+    else:
+        config = transformer_config(TinyMoEConfig(num_layers=1, num_attention_heads=4, num_query_groups=2))
+        attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                        attention_type="self")
+        groups, hk = 2, 16
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(37, 2, 4, 16, generator=gen, requires_grad=True)
-    k = torch.randn(37, 2, 2, 16, generator=gen, requires_grad=True)
-    v = torch.randn(37, 2, 2, 16, generator=gen, requires_grad=True)
+    q = torch.randn(37, 2, 4, hk, generator=gen, requires_grad=True)
+    k = torch.randn(37, 2, groups, hk, generator=gen, requires_grad=True)
+    v = torch.randn(37, 2, groups, 16, generator=gen, requires_grad=True)
     dout = torch.randn(37, 2, 64, generator=gen)
 
     def run():
@@ -110,12 +120,16 @@ def core_attention_fp32_matches_megatron():
     reference = run()
     patches.apply(None, enable_monitor=False, faults=["lowp-attention:format=fp32,block=16"])
     emulated = run()
-    return [float((a - b).abs().max()) for a, b in zip(reference, emulated)]
+    return [float((a - b).abs().max()) for a, b in zip(reference, emulated)], [float(a.abs().max()) for a in reference]
 
 
-def test_lowp_attention_at_fp32_equals_megatron_attention():
-    errors = run_distributed(core_attention_fp32_matches_megatron, 1)[0]
-    assert max(errors) <= 1e-6, errors  # output, dQ, dK, dV
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_lowp_attention_at_fp32_equals_megatron_attention(mla):
+    errors, scales = run_distributed(core_attention_fp32_matches_megatron, 1, mla)[0]
+    if mla:  # |dV| reaches ~10 here: relative
+        assert all(e <= 1e-6 * max(1.0, s) for e, s in zip(errors, scales)), (errors, scales)
+    else:
+        assert max(errors) <= 1e-6, errors  # output, dQ, dK, dV
 
 
 def test_lowp_attention_changes_training_from_start_only(healthy):

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
 from mindspeed_proxy.report.report import make_report
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def relative_paths(text: str, root=REPO_ROOT) -> str:
+    """`text` with every absolute path under `root` written relative to it (no machine paths in docs)."""
+    root = str(Path(root).resolve()).rstrip("/")
+    return re.sub(re.escape(root) + r"(?![\w.-])", ".", text.replace(root + "/", ""))
 
 
 def reports(results: list, out_root, rule=None, heatmaps: bool = False, dpi: int = 60) -> dict:
@@ -20,8 +28,8 @@ def reports(results: list, out_root, rule=None, heatmaps: bool = False, dpi: int
     return out
 
 
-def publish(results: list, report_root, dest, data: dict, extra: dict) -> Path:
-    """Copy each run's report (plots and summaries) and its gzipped raw JSONL into `dest`."""
+def publish(results: list, report_root, dest, data: dict, extra: dict, root=REPO_ROOT) -> Path:
+    """Copy each run's report (plots and summaries) and its gzipped raw JSONL into `dest`, paths relative to `root`."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     raw = dest / "raw"
@@ -31,12 +39,14 @@ def publish(results: list, report_root, dest, data: dict, extra: dict) -> Path:
         shutil.rmtree(run_out, ignore_errors=True)
         run_out.mkdir()
         for p in src.iterdir():
-            if p.suffix in (".md", ".json", ".html", ".png"):
+            if p.suffix in (".md", ".json", ".html"):
+                (run_out / p.name).write_text(relative_paths(p.read_text(), root))
+            elif p.suffix == ".png":
                 shutil.copy2(p, run_out / p.name)
         for kind, path in (("metrics", Path(r.run_dir) / "metrics.jsonl"),
                            ("monitor", Path(r.run_dir) / "mechanism_monitor" / "monitor.jsonl")):
             if path.is_file():
                 with open(path, "rb") as fi, gzip.open(raw / f"{r.name}.{kind}.jsonl.gz", "wb", compresslevel=9) as fo:
                     shutil.copyfileobj(fi, fo)
-    (dest / "results.json").write_text(json.dumps({**data, **extra}, indent=1, default=str) + "\n")
+    (dest / "results.json").write_text(relative_paths(json.dumps({**data, **extra}, indent=1, default=str), root) + "\n")
     return dest

@@ -115,14 +115,14 @@ def _causal_mask(i0, i1, j0, j1, offset, device):
 def _flash_forward(q, k, v, causal, scale, block_q, block_k, rnd):
     sq, sk = q.shape[-2], k.shape[-2]
     offset = sk - sq  # bottom-right causal alignment (FA2); equals Megatron's mask when sq == sk
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # value head dim (MLA: differs from the q/k one)
     lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
     for i0 in range(0, sq, block_q):
         i1 = min(i0 + block_q, sq)
         qi = q[..., i0:i1, :]
         m = torch.full(qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros_like(qi)
+        acc = qi.new_zeros(qi.shape[:-1] + v.shape[-1:])
         for j0 in range(0, sk, block_k):
             if causal and j0 > i1 - 1 + offset:
                 break
@@ -200,17 +200,20 @@ def lowp_attention(
     round_targets: Sequence[str] = DEFAULT_ROUND_TARGETS,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """Attention in megatron-core's core-attention layout: q [sq,b,np,hn], k/v [sk,b,ng,hn] -> [sq,b,np*hn].
+    """Attention in Megatron's core-attention layout: q [sq,b,np,hn], k [sk,b,ng,hn], v [sk,b,ng,hv] -> [sq,b,np*hv].
+
+    The value head dim hv may differ from the query/key one hn (MLA: hn = qk_head_dim + qk_pos_emb_head_dim).
 
     Computed in fp32 whatever the input dtype (the result is cast back to it); ``mantissa_bits=None``
     (or "fp32") is exact fp32 FlashAttention-2. ``scale`` defaults to 1/sqrt(hn). ``causal`` masks key j
     for query i when j > i + (sk - sq), which is Megatron's causal mask for sq == sk; it needs sq <= sk.
     """
     sq, b, n_heads, hn = q.shape
-    sk, n_groups = k.shape[0], k.shape[2]
-    if k.shape != v.shape or k.shape[1] != b or k.shape[3] != hn:
+    sk, n_groups, hv = k.shape[0], k.shape[2], v.shape[-1]
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[1] != b or k.shape[3] != hn:
         raise ValueError(
-            f"k/v must be [sk, b, ng, hn] matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}"
+            f"k must be [sk, b, ng, hn] and v [sk, b, ng, hv] matching q {tuple(q.shape)}, got {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
         )
     if n_heads % n_groups:
         raise ValueError(f"query heads {n_heads} not a multiple of key/value groups {n_groups}")
@@ -231,4 +234,4 @@ def lowp_attention(
         to_bhsd(q), to_bhsd(k), to_bhsd(v), causal, scale, block_q, block_k,
         mantissa_bits, rounding, tuple(round_targets), generator,
     )
-    return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * hn).to(q.dtype)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * hv).to(q.dtype)

@@ -13,7 +13,12 @@ FAULTS: dict[str, dict[str, tuple[type, Any]]] = {
                        "rounding": (str, "nearest-even"), "targets": (str, "p+pv"), "block": (int, 64),
                        "seed": (int, 0)},
     "grad-overflow": {"start": (int, 1), "param": (str, "router"), "value": (str, "inf")},
+    # RL loop only (mindspeed_proxy.rl.train): the train-inference mismatch faults
+    "rollout-router-noise": {"start": (int, 1), "std": (float, 0.05), "seed": (int, 0)},
+    "sampler-lowp": {"start": (int, 1), "format": (str, "bf16")},
+    "policy-lag": {"start": (int, 1), "steps": (int, 2)},
 }
+RL_ONLY = ("rollout-router-noise", "sampler-lowp", "policy-lag")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,12 @@ def parse_fault(text: str) -> FaultSpec:
             raise ValueError(f"--inject-fault {text!r}: format in {sorted(FORMAT_MANTISSA_BITS)}, bits in 0..23 "
                              f"(0 = from format), rounding in {list(ROUNDING_MODES)}, targets '+'-joined from "
                              f"{list(ROUND_TARGETS)}, block >= 1")
+    if name == "sampler-lowp" and params["format"] not in ("bf16", "fp16"):
+        raise ValueError(f"--inject-fault {text!r}: format must be bf16 or fp16")
+    if name == "policy-lag" and params["steps"] < 1:
+        raise ValueError(f"--inject-fault {text!r}: steps must be >= 1")
+    if name == "rollout-router-noise" and params["std"] <= 0:
+        raise ValueError(f"--inject-fault {text!r}: std must be > 0")
     if name == "grad-overflow" and params["value"] not in ("inf", "nan"):
         raise ValueError(f"--inject-fault {text!r}: value must be inf or nan")
     return FaultSpec(name, params)

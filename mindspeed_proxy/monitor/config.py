@@ -29,20 +29,27 @@ class MonitorConfig:
     update_matrices: list[str] = field(default_factory=lambda: list(UPDATE_MATRICES))
     experts_per_layer: int = 2  # ΔW of this many experts per MoE layer, spread over global ids
     snapshot_on_cpu: bool = False
-    families: list[str] = field(default_factory=lambda: ["attention-spectral", "update-spectral", "router"])
+    families: list[str] = field(default_factory=lambda: ["attention-spectral", "update-spectral", "router", "rl"])
     detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=10, persistence=2))
     router_detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(warmup=50, persistence=5))
+    # the RL loop's family (one sample per RL step): routing consistency and load drift per layer, entropy;
+    # a healthy fp32 run repeats the rollout's routing exactly, so the floors set what counts as a change
+    rl_detector: DetectorConfig = field(default_factory=lambda: DetectorConfig(
+        warmup=5, persistence=2, z_threshold=4.0, min_scale=0.005, min_rel_scale=0.01))
+    rl_metric_detectors: dict[str, dict] = field(default_factory=lambda: {
+        "entropy": {"warmup": 5, "persistence": 3, "z_threshold": 3.2, "min_rel_scale": 0.3}})  # a 96% drop
     detect_start: int = 0  # samples before this step are logged but build no baseline (early training)
     detect_slots: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])  # ΔW slots tested
     detect_metrics: dict[str, list[str]] = field(default_factory=lambda: {
         "attention-spectral": ["delta2/entropy", "delta2/effective_rank", "delta2/top1_energy"],
         "update-spectral": ["entropy", "effective_rank", "top1_energy"],
         "router": ["entropy", "similarity", "max_over_mean"],
+        "rl": ["topk_match", "any_layer_mismatch", "load_drift", "entropy"],
     })
     # per family: "layer" tests each layer's series, "mean" the mean over layers (reported with layer None);
     # the mean is the quieter signal for a fault that moves every layer, per layer catches one layer
     detect_scopes: dict[str, list[str]] = field(default_factory=lambda: {
-        "attention-spectral": ["layer"], "update-spectral": ["layer"], "router": ["layer"]})
+        "attention-spectral": ["layer"], "update-spectral": ["layer"], "router": ["layer"], "rl": ["mean"]})
     output_dir: str = "mechanism_monitor"
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl, csv, tensorboard, wandb
     log_rank: int = 0  # global rank that writes sinks (all ranks hold identical results)
@@ -53,6 +60,10 @@ class MonitorConfig:
             self.detector = DetectorConfig(**self.detector)
         if isinstance(self.router_detector, dict):
             self.router_detector = DetectorConfig(**self.router_detector)
+        if isinstance(self.rl_detector, dict):
+            self.rl_detector = DetectorConfig(**self.rl_detector)
+        for metric, overrides in self.rl_metric_detectors.items():
+            dataclasses.replace(self.rl_detector, **overrides)  # an unknown key fails here, naming it
         if self.interval < 1 or not 1 <= self.delta <= self.interval:
             raise ValueError(f"need interval ≥ 1 and 1 ≤ delta ≤ interval, got interval={self.interval}, "
                              f"delta={self.delta}")
@@ -71,6 +82,10 @@ class MonitorConfig:
         bad = [s for s in self.sinks if s not in ("jsonl", "csv", "tensorboard", "wandb")]
         if bad:
             raise ValueError(f"sinks: unknown {bad}; expected jsonl, csv, tensorboard, wandb")
+
+    def rl_detector_configs(self) -> dict[str, DetectorConfig]:
+        """Per-metric detector configs of the rl family (rl_detector overlaid with rl_metric_detectors)."""
+        return {m: dataclasses.replace(self.rl_detector, **o) for m, o in self.rl_metric_detectors.items()}
 
     def tested_metrics(self, family: str, metrics) -> list[str]:
         """The names among `metrics` (a family's per-layer metric names) that its detectors test."""

@@ -9,7 +9,7 @@ from typing import Any, Hashable, Mapping, Optional
 
 METHODS = ("median_mad", "ema")
 DIRECTIONS = ("down", "up")
-FAMILIES = ("attention-spectral", "update-spectral", "router")
+FAMILIES = ("attention-spectral", "update-spectral", "router", "rl")
 MAD_TO_SIGMA = 1.4826  # MAD of a Gaussian × this = its standard deviation
 
 METRIC_DIRECTIONS: dict[str, str] = {
@@ -26,6 +26,12 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "overload": "up",
     "winner_persistence": "up",
     "margin": "up",
+    "topk_match": "down",
+    "jaccard": "down",
+    "any_layer_mismatch": "up",
+    "mismatch_k3_kl": "up",
+    "mismatch_abs_logp_mean": "up",
+    "load_drift": "up",
 }
 
 MECHANISMS: dict[str, tuple[str, str]] = {
@@ -41,6 +47,27 @@ MECHANISMS: dict[str, tuple[str, str]] = {
     "router": (
         "routing collapse (stable-winner feedback)",
         "routing collapse: lower LR, raise global batch, fp32 router, z-loss or expert bias",
+    ),
+    "rl": ("RL training health", "see the metric's mechanism"),
+}
+ROUTING_MISMATCH = (
+    "routing-mismatch: the training pass routes tokens to other experts than the rollout did",
+    "enable routing replay (R3: --rl-routing-replay r3); check the sampler's precision and router dtype",
+)
+# mechanisms of single metrics, where one family watches several mechanisms
+METRIC_MECHANISMS: dict[tuple[str, str], tuple[str, str]] = {
+    ("rl", "topk_match"): ROUTING_MISMATCH,
+    ("rl", "jaccard"): ROUTING_MISMATCH,
+    ("rl", "any_layer_mismatch"): ROUTING_MISMATCH,
+    ("rl", "mismatch_k3_kl"): ROUTING_MISMATCH,
+    ("rl", "mismatch_abs_logp_mean"): ROUTING_MISMATCH,
+    ("rl", "entropy"): (
+        "entropy-collapse: the policy's token entropy fell far below its baseline",
+        "raise --grpo-entropy-term-weight or --grpo-clamp-eps-upper (clip-higher), lower the LR, check rewards",
+    ),
+    ("rl", "load_drift"): (
+        "expert-load drift: the experts' token shares moved away from the first RL step's",
+        "routing collapse under RL: lower LR, expert bias / aux loss, replay routing (R3)",
     ),
 }
 NON_FINITE = ("non-finite statistic", "non-finite value: check for overflow (loss scale, grad clipping, BF16 ops)")
@@ -256,7 +283,8 @@ class DetectorBank:
         raw = self.detector(tuple(key)).update(step, value)
         if raw is None:
             return None
-        mechanism, mitigation = NON_FINITE if raw["kind"] == "non-finite" else MECHANISMS[family]
+        mechanism, mitigation = NON_FINITE if raw["kind"] == "non-finite" else METRIC_MECHANISMS.get(
+            (family, metric.rsplit("/", 1)[-1])) or MECHANISMS[family]
         return Alert(step=raw["step"], family=family, metric=metric, layer=layer, head_or_expert=index,
                      value=raw["value"], baseline=raw["baseline"], z=raw["z"], kind=raw["kind"],
                      mechanism=mechanism, mitigation=mitigation)

@@ -16,7 +16,16 @@ import torch
 from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import STAT_NAMES, MonitorConfig
 from mindspeed_proxy.monitor.detectors import DetectorBank
-from mindspeed_proxy.monitor.qk_layout import layernorm_scale, layout_of, qk_blocks
+from mindspeed_proxy.monitor.mla_layout import (
+    TP_GATHERED,
+    attention_terms,
+    mla_increment_singular_values,
+    mla_layout_of,
+    mla_qk_blocks,
+    mla_read,
+    sharded_rows,
+)
+from mindspeed_proxy.monitor.qk_layout import group_shared_keys, layernorm_scale, layout_of, qk_blocks
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
 from mindspeed_proxy.monitor.spectral import (
@@ -68,6 +77,7 @@ class MechanismMonitor:
                              if t.num_experts and "router" in cfg.families else None)
         self.spectral_detectors = DetectorBank(config=cfg.detector)
         self.router_detectors = DetectorBank(config=cfg.router_detector)
+        self.rl_detectors = DetectorBank(config=cfg.rl_detector, metric_configs=cfg.rl_detector_configs())
         self.snapshots: dict[tuple, torch.Tensor] = {}
         self.disabled: set[str] = {f for f in STATISTICS if f not in cfg.families}
         if self.router_stats is None:
@@ -199,6 +209,12 @@ class MechanismMonitor:
             self.snapshots[("w", w.layer, w.slot)] = w.read().detach().to(device=target_device,
                                                                            dtype=torch.float32, copy=True)
         for a in self.targets.attention:
+            if a.mla:  # MLA: every projection and latent-norm scale (mla_layout)
+                zc = self.model_config.layernorm_zero_centered_gamma
+                for name, value in mla_read(a.mla, a.module, zc).items():
+                    self.snapshots[("mla", a.layer, name)] = value.detach().to(device=target_device,
+                                                                             dtype=torch.float32, copy=True)
+                continue
             for name, mod in (("q", a.module.q_layernorm), ("k", a.module.k_layernorm)):
                 scale = layernorm_scale(mod, self.model_config.layernorm_zero_centered_gamma)
                 if scale is not None:
@@ -218,7 +234,8 @@ class MechanismMonitor:
         t, g, cfg = self.targets, self.groups, self.config
         terms = cfg.qk_terms
         update_table = torch.zeros(t.num_layers, len(t.slots), NSTAT + 1, device=self.device)
-        attn_table = torch.zeros(t.num_layers, t.num_heads, len(terms), NSTAT + 1, device=self.device)
+        attn_table = torch.zeros(t.num_layers, t.num_heads, len(attention_terms(terms, self.model_config)),
+                                 NSTAT + 1, device=self.device)
         if "update-spectral" not in self.disabled:
             self._update_spectra(update_table)
         if "attention-spectral" not in self.disabled:
@@ -278,6 +295,9 @@ class MechanismMonitor:
         g, terms = self.groups, self.config.qk_terms
         heads_filter = self.config.heads
         for a in self.targets.attention:
+            if a.mla:
+                self._mla_spectra(a, table)
+                continue
             layout = layout_of(a.module)
             weight = a.read_qkv().detach()
             snap = self.snapshots.get(("w", a.layer, 0))
@@ -298,12 +318,42 @@ class MechanismMonitor:
                     heads, wq_new, wk_new, wq_old, wk_old = (x[keep] for x in (heads, wq_new, wk_new, wq_old, wk_old))
                 if not R.head_owner(g):
                     continue
+                blocks = (wq_old, wk_old, wq_new, wk_new)
+                if heads_filter is None:  # GQA: one key block (and key Gram) per group
+                    blocks = group_shared_keys(*blocks, layout)
                 for ti, term in enumerate(terms):
-                    sigma = qk_increment_singular_values(wq_old, wk_old, wq_new, wk_new, term=term)
+                    sigma = qk_increment_singular_values(*blocks, term=term).flatten(0, -2)
                     table[a.layer, heads, ti, :NSTAT] = _stats_vector(sigma, weight.shape[-1])
                     table[a.layer, heads, ti, NSTAT] = 1.0
             except Exception:
                 self._fail("attention-spectral")
+
+    def _mla_spectra(self, a, table: torch.Tensor) -> None:
+        """Content and RoPE QK-increment spectra of one MLA layer (mla_layout); RoPE terms after the content ones."""
+        g, terms, zc = self.groups, self.config.qk_terms, self.model_config.layernorm_zero_centered_gamma
+        layout = mla_layout_of(a.module)
+        new = {k: v.detach().float() for k, v in mla_read(a.mla, a.module, zc).items()}
+        old = {k: self.snapshots.get(("mla", a.layer, k)) for k in new}
+        for k in TP_GATHERED:  # latent rows split over TP: all-gather, outside the guard, fixed shapes
+            if k in new and sharded_rows(k, new[k], layout):
+                snap = old[k].to(new[k].device) if old[k] is not None else torch.zeros_like(new[k])
+                new[k], old[k] = R.gather_tp(new[k], g), R.gather_tp(snap, g)
+        try:
+            local = layout.local_heads()
+            keep = [i for i, h in enumerate(local) if self.config.heads is None or h in self.config.heads]
+            if not R.head_owner(g) or not keep:
+                return
+            old = {k: v.to(self.device) for k, v in old.items()}
+            parts = mla_qk_blocks(old, new, layout, torch.tensor(keep, device=self.device))
+            heads = torch.tensor([local[i] for i in keep], device=self.device)
+            for pi, part in enumerate(("content", "rope")):
+                for ti, term in enumerate(terms):
+                    sigma = mla_increment_singular_values(*parts[part], term=term)
+                    col = pi * len(terms) + ti
+                    table[a.layer, heads, col, :NSTAT] = _stats_vector(sigma, self.model_config.hidden_size)
+                    table[a.layer, heads, col, NSTAT] = 1.0
+        except Exception:
+            self._fail("attention-spectral")
 
     def _publish_update(self, iteration: int, table: torch.Tensor) -> None:
         host = table.tolist()
@@ -330,7 +380,7 @@ class MechanismMonitor:
             if not has:
                 continue
             rec = {}
-            for ti, term in enumerate(self.config.qk_terms):
+            for ti, term in enumerate(attention_terms(self.config.qk_terms, self.model_config)):
                 rec[term] = {"mean": dict(zip(STAT_NAMES, host_means[layer][ti]))}
                 if host_heads is not None:
                     rec[term]["heads"] = {h: dict(zip(STAT_NAMES, host_heads[layer][h][ti][:NSTAT]))
@@ -339,6 +389,25 @@ class MechanismMonitor:
                     per_layer.setdefault(f"{term}/{stat}", {})[layer] = value
             records[layer] = rec
         self._publish("attention-spectral", iteration, records, per_layer, self.spectral_detectors)
+
+    # ---------------------------------------------------------------- rl family
+    def on_rl_step(self, iteration: int, per_layer: dict) -> None:
+        """Detect on one RL step's metrics ({metric: {layer or None: value}}, already equal on every rank).
+
+        Called by the RL loop after its own reductions, so it runs no collective; an exception
+        disables the rl family on this rank (every rank sees the same values and fails alike)."""
+        if "rl" in self.disabled or "rl" not in self.config.families:
+            return
+        try:
+            records = {}
+            for metric, layers in per_layer.items():
+                for layer, value in layers.items():
+                    records.setdefault("all" if layer is None else layer, {})[metric] = value
+            self._publish("rl", iteration, records, per_layer, self.rl_detectors)
+        except Exception:
+            self._fail("rl")
+            self.disabled.add("rl")
+            self._report()
 
     # ---------------------------------------------------------------- detection and sinks
     def _publish(self, family, iteration, records, per_layer, bank: DetectorBank) -> None:
@@ -365,13 +434,16 @@ class MechanismMonitor:
     def state_dict(self) -> dict:
         """Detector state, disabled statistics and the last router load (snapshots are not saved)."""
         return {"version": 1, "spectral_detectors": self.spectral_detectors.state_dict(),
-                "router_detectors": self.router_detectors.state_dict(), "disabled": sorted(self.disabled),
+                "router_detectors": self.router_detectors.state_dict(),
+                "rl_detectors": self.rl_detectors.state_dict(), "disabled": sorted(self.disabled),
                 "prev_load": None if self._prev_load is None else self._prev_load.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output (the next ΔW sample waits for a fresh snapshot)."""
         self.spectral_detectors.load_state_dict(state["spectral_detectors"])
         self.router_detectors.load_state_dict(state["router_detectors"])
+        if "rl_detectors" in state:
+            self.rl_detectors.load_state_dict(state["rl_detectors"])
         self.disabled = set(state["disabled"])
         prev = state.get("prev_load")
         self._prev_load = None if prev is None else torch.tensor(prev, device=self.device)

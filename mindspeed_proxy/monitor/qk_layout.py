@@ -71,6 +71,21 @@ def qk_blocks(weight: torch.Tensor, layout: QKLayout, q_scale: Optional[torch.Te
     return wq.transpose(1, 2), wk.transpose(1, 2)
 
 
+def group_shared_keys(wq_old: torch.Tensor, wk_old: torch.Tensor, wq_new: torch.Tensor, wk_new: torch.Tensor,
+                      layout: QKLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qk_blocks` outputs [n, d, h] as queries [groups, n_q/n_kv, d, h] and keys [groups, 1, d, h] (views).
+
+    One key block per KV group, so the QK core computes its Gram once; unchanged (one key copy per
+    query head) unless this rank holds whole groups in order, i.e. GQA without `needs_full_weight`.
+    """
+    qpg, n = layout.heads_per_group, wq_old.shape[0]
+    if qpg == 1 or layout.needs_full_weight or n % qpg:
+        return wq_old, wk_old, wq_new, wk_new
+    shape = (n // qpg, qpg)
+    return (wq_old.unflatten(0, shape), wk_old.unflatten(0, shape)[:, :1],
+            wq_new.unflatten(0, shape), wk_new.unflatten(0, shape)[:, :1])
+
+
 def layout_of(attention) -> QKLayout:
     """QKLayout of a megatron-core SelfAttention module at the current TP size/rank."""
     from megatron.core import parallel_state as ps

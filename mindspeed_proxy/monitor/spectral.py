@@ -1,6 +1,7 @@
 """Spectral statistics of singular spectra, QK-increment spectra through a compressed core, ΔW spectra via Gram.
 
-Everything is batched over leading dimensions and stays on the input's device; no host syncs.
+Everything is batched over leading dimensions and stays on the input's device. No host syncs, except
+one flag read by the Gram core of QK increments to route rank-deficient factors to its eigh fallback.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 TERMS = ("delta1", "delta2", "delta3")
 PARALLEL_MODES = (None, "column", "row")
+METHODS = ("auto", "gram", "qr")
+GRAM_CHUNK_ELEMENTS = 1 << 21  # d·h elements per Gram chunk (four 4096×128 heads)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -97,30 +100,128 @@ def _hcat(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.mT, y.mT], dim=-2).mT
 
 
-def _factor_pair(wq_old, wk_old, wq_new, wk_new, term):
-    if term == "delta2":
-        return _hcat(wq_new - wq_old, wq_old), _hcat(wk_old, wk_new - wk_old)
-    if term == "delta3":
-        return wq_new - wq_old, wk_new - wk_old
-    if term == "delta1":
-        return _hcat(wq_new, wq_old), _hcat(wk_new, -wk_old)
-    raise ValueError(f"term must be one of {TERMS}, got {term!r}")
+def _query_blocks(wq_old, wq_new, term):
+    """Column blocks of the query factor A (increment = A·Bᵀ): [ΔWq, Wq_old], or ΔWq for Δ3."""
+    dq = wq_new - wq_old
+    return (dq,) if term == "delta3" else (dq, wq_old)
+
+
+def _key_blocks(wk_old, wk_new, term):
+    """Column blocks of the key factor B: [Wk_old, ΔWk] (Δ2), [Wk_new, ΔWk] (Δ1), ΔWk (Δ3)."""
+    # Δ1 = ΔWq Wk_newᵀ + Wq_old ΔWkᵀ: the same well-conditioned pair as Δ2 (not [Wq_new, Wq_old], whose
+    # columns nearly coincide and leave only a ΔW-sized remainder after cancellation).
+    dk = wk_new - wk_old
+    return (dk,) if term == "delta3" else (wk_new if term == "delta1" else wk_old, dk)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # [..., d, h] -> row-major [..., h, d]; free for blocks viewed from a Megatron [out, in] weight.
+    r = x.mT
+    return r if r.is_contiguous() else r.contiguous()
+
+
+def _block_gram(blocks: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Gram AᵀA [..., m, m] of A = [blocks] (each [..., d, h_i]) without concatenating A, cast to `dtype`."""
+    rows = [_rows(x) for x in blocks]
+    if len(rows) == 1:
+        return (rows[0] @ rows[0].mT).to(dtype)
+    x, y = rows
+    g11, g12, g22 = torch.broadcast_tensors(x @ x.mT, x @ y.mT, y @ y.mT)
+    return torch.cat([torch.cat([g11, g12], -1), torch.cat([g12.mT, g22], -1)], -2).to(dtype)
+
+
+def _psd_factor(gram: torch.Tensor, gram_eps: float) -> torch.Tensor:
+    """F with F·Fᵀ = gram [..., m, m] (positive semidefinite), jitter-free.
+
+    The Gram is equilibrated to unit diagonal (exactly zero columns get a unit pivot and a zero
+    row in F, so ΔW = 0 stays exactly 0) and Cholesky-factored. Where Cholesky fails (a numerically
+    rank-deficient factor), F = V·sqrt(λ) from eigh instead, with eigenvalues below
+    m·gram_eps·λ_max (the Gram's rounding level) set to 0. Detecting a failure reads one flag on host.
+    """
+    m = gram.shape[-1]
+    scale = gram.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()
+    zero = scale == 0
+    safe = torch.where(zero, torch.ones_like(scale), scale)
+    unit = gram / (safe.unsqueeze(-1) * safe.unsqueeze(-2)) + torch.diag_embed(zero.to(gram.dtype))
+    factor, info = torch.linalg.cholesky_ex(unit)
+    failed = info != 0
+    if bool(failed.any()):
+        lam, vec = torch.linalg.eigh(unit[failed])
+        lam = torch.where(lam > m * gram_eps * lam.amax(-1, keepdim=True), lam, torch.zeros_like(lam))
+        factor = factor.clone()
+        factor[failed] = vec * lam.sqrt().unsqueeze(-2)
+    return scale.unsqueeze(-1) * factor
+
+
+def _gram_core_singular_values(gram_a: torch.Tensor, gram_b: torch.Tensor, gram_eps: float) -> torch.Tensor:
+    """σ(A·Bᵀ) descending from G_A = AᵀA, G_B = BᵀB: σ² = eig(Fᵀ G_B F) with F·Fᵀ = G_A (leading dims broadcast)."""
+    f = _psd_factor(gram_a, gram_eps)
+    core = f.mT @ gram_b @ f
+    return torch.linalg.eigvalsh(core).clamp_min(0).sqrt().flip(-1)
+
+
+def _resolve_method(method: str, dtype: torch.dtype) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "auto":
+        return "qr" if dtype == torch.float64 else "gram"
+    return method
+
+
+def _pad(sv: torch.Tensor, m: int) -> torch.Tensor:
+    return torch.nn.functional.pad(sv, (0, m - sv.shape[-1])) if sv.shape[-1] < m else sv
+
+
+def _direct_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # d < m: the d×d product itself is the smaller problem.
+    return _pad(torch.linalg.svdvals(a @ b.mT), a.shape[-1])
+
+
+def _chunked_gram(blocks_fn, tensors: tuple, small: torch.dtype) -> torch.Tensor:
+    """Gram of the factor `blocks_fn(*tensors)` ([..., d, h] inputs), a few heads at a time, in `small`.
+
+    Chunking keeps each chunk's differences and GEMM operands cache-sized: batching whole layers
+    at once was slower per head than one head at a time on CPU.
+    """
+    batch = torch.broadcast_shapes(*(t.shape[:-2] for t in tensors))
+    flat = [t.expand(batch + t.shape[-2:]).reshape((-1,) + t.shape[-2:]) for t in tensors]
+    n, (d, h) = flat[0].shape[0], flat[0].shape[-2:]
+    step = max(1, GRAM_CHUNK_ELEMENTS // (d * h))
+    grams = [_block_gram(blocks_fn(*(t[i:i + step] for t in flat)), small) for i in range(0, n, step)]
+    gram = grams[0] if len(grams) == 1 else torch.cat(grams)
+    return gram.reshape(batch + gram.shape[-2:])
+
+
+def _gram_singular_values(blocks_a, blocks_b, tensors_a: tuple, tensors_b: tuple, m: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """σ(A·Bᵀ) by the Gram core, A = blocks_a(*tensors_a), B = blocks_b(*tensors_b) ([..., d, m], from column blocks)."""
+    first = tensors_a[0]
+    if first.shape[-2] < m:
+        cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
+        return _direct_singular_values(cat(blocks_a(*tensors_a)), cat(blocks_b(*tensors_b)))
+    small = torch.float32 if first.device.type == "mps" else torch.float64  # the m×m problem
+    g_a = _chunked_gram(blocks_a, tensors_a, small)
+    g_b = _chunked_gram(blocks_b, tensors_b, small)
+    return _gram_core_singular_values(g_a, g_b, torch.finfo(dtype).eps).to(dtype)
 
 
 @torch.no_grad()
-def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Singular values of A·Bᵀ (A, B: [..., d, m]) from the m×m core R_A·R_Bᵀ of thin QRs, descending, [..., m].
+def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """Singular values of A·Bᵀ (A, B: [..., d, m]) from m×m Gram or QR cores, never forming d×d; descending, [..., m].
 
-    Leading dims broadcast (the QR of a shared B is done once). When d < m the d×d core gives d
-    values and the rest are zero-padded.
+    method "gram": G_A = AᵀA, G_B = BᵀB (GEMMs in the input dtype, a shared B's Gram computed once
+    at B's own leading shape), then σ² = eig(Fᵀ G_B F) with F·Fᵀ = G_A, an m×m problem in float64.
+    The Gram squares A's conditioning: exactly rank-deficient factors leave spurious values of
+    ~sqrt(eps)·‖A‖‖B‖ (≈3e-4 relative in float32). "qr": R_A·R_Bᵀ of thin QRs, accurate to
+    ~eps (3× slower on CPU). "auto": "qr" for float64 inputs (reference precision), else "gram".
+    Leading dims broadcast. When d < m the d×d product gives d values and the rest are zero-padded.
     """
+    m = a.shape[-1]
+    if _resolve_method(method, compute_dtype(a, b)) == "gram":
+        return _gram_singular_values(lambda x: (x,), lambda x: (x,), (a,), (b,), m, compute_dtype(a, b))
     r_a = torch.linalg.qr(a, mode="r").R
     r_b = torch.linalg.qr(b, mode="r").R
-    sv = torch.linalg.svdvals(r_a @ r_b.mT)
-    m = a.shape[-1]
-    if sv.shape[-1] < m:
-        sv = torch.nn.functional.pad(sv, (0, m - sv.shape[-1]))
-    return sv
+    return _pad(torch.linalg.svdvals(r_a @ r_b.mT), m)
 
 
 @torch.no_grad()
@@ -130,18 +231,30 @@ def qk_increment_singular_values(
     wq_new: torch.Tensor,
     wk_new: torch.Tensor,
     term: str = "delta2",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Singular values of a QK-operator increment (Δ1, Δ2 or Δ3 of M = W_q W_kᵀ), never forming d×d.
 
-    Inputs are per-head blocks [..., d, h]. Δ1 = M_new − M_old = [Wq_new, Wq_old]·[Wk_new, −Wk_old]ᵀ,
+    Inputs are per-head blocks [..., d, h]. Δ1 = M_new − M_old = [ΔWq, Wq_old]·[Wk_new, ΔWk]ᵀ,
     Δ2 = ΔWq Wk_oldᵀ + Wq_old ΔWkᵀ = [ΔWq, Wq_old]·[Wk_old, ΔWk]ᵀ, Δ3 = ΔWq ΔWkᵀ. Returns the
     descending singular values [..., 2h] (Δ3: [..., h]) in at least float32 (bf16/fp16 inputs are
     upcast before the differences are taken). Query and key leading dims broadcast, so under GQA
-    the key blocks may carry a size-1 dim where several query heads share one KV group.
+    the key blocks may carry a size-1 dim where several query heads share one KV group: with
+    method "gram" (the default below float64, see `lowrank_product_singular_values`) that group's
+    key Gram is then computed once. The Gram blocks are built from the h-column blocks directly.
     """
+    if term not in TERMS:
+        raise ValueError(f"term must be one of {TERMS}, got {term!r}")
     dtype = compute_dtype(wq_old, wk_old, wq_new, wk_new)
-    a, b = _factor_pair(wq_old.to(dtype), wk_old.to(dtype), wq_new.to(dtype), wk_new.to(dtype), term)
-    return lowrank_product_singular_values(a, b)
+    q = (wq_old.to(dtype), wq_new.to(dtype))
+    k = (wk_old.to(dtype), wk_new.to(dtype))
+    q_blocks = (lambda old, new: _query_blocks(old, new, term))
+    k_blocks = (lambda old, new: _key_blocks(old, new, term))
+    if _resolve_method(method, dtype) == "gram":
+        width = wq_old.shape[-1] * (1 if term == "delta3" else 2)
+        return _gram_singular_values(q_blocks, k_blocks, q, k, width, dtype)
+    cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
+    return lowrank_product_singular_values(cat(q_blocks(*q)), cat(k_blocks(*k)), method="qr")
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ the shape of every statistic whatever layers and experts it holds. Weights are r
 highest-precision copy available: the fp32 main param of Megatron's (non-distributed) mixed-precision
 optimizer when it has one, else the model param itself (fp32 training: it is the master; the
 distributed optimizer keeps only a DP shard of the fp32 copy, so its bf16 model param is used).
+MLA layers have no `linear_qkv` slot: their q/kv projections feed the attention-spectral family only.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from mindspeed_proxy.monitor.mla_layout import is_mla, mla_weights
 
 
 @dataclass
@@ -30,11 +33,12 @@ class WeightTarget:
 
 @dataclass
 class AttentionTarget:
-    """The fused QKV projection (and q/k norm scales) of one attention layer."""
+    """The fused QKV projection (and q/k norm scales) of one attention layer, or the projections of an MLA one."""
 
     layer: int
     module: torch.nn.Module
-    read_qkv: Callable[[], torch.Tensor]  # same precision source as the ΔW target of linear_qkv
+    read_qkv: Optional[Callable[[], torch.Tensor]]  # same precision source as the ΔW target of linear_qkv
+    mla: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # MLA: role -> reader (mla_layout)
 
 
 @dataclass
@@ -111,7 +115,12 @@ def collect(model_chunks, config, matrices: list[str], experts_per_layer: int, o
             if layers is not None and layer not in layers:
                 continue
             attn = getattr(module, "self_attention", None)
-            if attn is not None and hasattr(attn, "linear_qkv"):
+            if attn is not None and is_mla(attn):
+                readers = {role: reader(p) for role, p in mla_weights(attn).items()}
+                targets.attention.append(AttentionTarget(layer, attn, None, readers))
+                if "linear_proj" in matrices:
+                    add(layer, "linear_proj", attn.linear_proj.weight, "row")
+            elif attn is not None and hasattr(attn, "linear_qkv"):
                 targets.attention.append(AttentionTarget(layer, attn, reader(attn.linear_qkv.weight)))
                 if "linear_qkv" in matrices:
                     add(layer, "linear_qkv", attn.linear_qkv.weight, "column")

@@ -13,11 +13,16 @@ from mindspeed_proxy.proxy.errors import ConversionError
 def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
     """The converter's flags."""
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=(
-        "Build a proxy of a Megatron MoE checkpoint: keep one representative expert per cluster, at a "
-        "smaller expert-parallel size."))
+        "Build a proxy of a Megatron or Hugging Face MoE checkpoint: keep one representative expert per "
+        "cluster, at a smaller expert-parallel size."))
     p.add_argument("--load", required=True, metavar="CKPT_DIR")
+    p.add_argument("--format", choices=["auto", "megatron", "hf"], default="auto",
+                   help="auto (default): a folder with config.json and model.safetensors[.index.json] is read as a "
+                        "Hugging Face checkpoint (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3), anything else as Megatron")
     p.add_argument("--save", metavar="OUT_DIR", help="required unless --dry-run")
-    p.add_argument("--target-expert-parallel-size", type=int, required=True, metavar="EP2")
+    p.add_argument("--target-expert-parallel-size", type=int, required=True, metavar="EP2",
+                   help="the proxy's expert-parallel size (Hugging Face: the EP it is meant to run at; K is "
+                        "checked against it, nothing else depends on it)")
     p.add_argument("--target-num-experts", type=int, required=True, metavar="K")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's iteration")
     p.add_argument("--features", default="weights", metavar="weights|outputs|FILE",
@@ -87,7 +92,7 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     try:
         _check_save_features(args, options)
         plan = convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, fmt=args.format)
         if args.save_features:
             from mindspeed_proxy.proxy.features import write_features_file
 

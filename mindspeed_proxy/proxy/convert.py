@@ -41,8 +41,13 @@ def check_paths(load: str, save: Optional[str], overwrite: bool, dry_run: bool) 
         raise ConversionError(f"--save {save}: parent folder {parent} does not exist")
 
 
-def open_checkpoint(load: str, iteration: Optional[int]):
-    """The checkpoint reader for the format found under `load`."""
+def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto"):
+    """The checkpoint reader for the format found under `load` (`fmt`: auto, megatron or hf)."""
+    if fmt == "hf" or (fmt == "auto" and os.path.isdir(load)):
+        from mindspeed_proxy.proxy import hf_io
+
+        if fmt == "hf" or hf_io.looks_like_hf(load):
+            return hf_io.HFCheckpoint(load)
     _, folder = resolve_iteration(load, iteration)
     names = os.listdir(folder)
     if "metadata.json" in names or "common.pt" in names or ".metadata" in names:
@@ -63,11 +68,16 @@ def _progress(desc: str) -> Callable:
 
 
 def convert(load: str, save: Optional[str], options: Options, iteration: Optional[int] = None,
-            dry_run: bool = False, overwrite: bool = False, echo: Callable = print):
-    """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input."""
+            dry_run: bool = False, overwrite: bool = False, echo: Callable = print, fmt: str = "auto"):
+    """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input.
+    `fmt`: auto (a folder with config.json and safetensors is Hugging Face), megatron or hf."""
     check_paths(load, save, overwrite, dry_run)
-    ckpt = open_checkpoint(load, iteration)
+    ckpt = open_checkpoint(load, iteration, fmt)
     try:
+        if ckpt.format == "hf":
+            from mindspeed_proxy.proxy.hf_io import check_options
+
+            check_options(options, iteration)
         return _convert(ckpt, save, options, dry_run, echo)
     finally:
         if hasattr(ckpt, "close"):
@@ -133,7 +143,13 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     parent, base = os.path.split(os.path.abspath(save))
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
-        if ckpt.format == "torch_dist":
+        if ckpt.format == "hf":
+            from mindspeed_proxy.proxy.hf_io import write_hf
+            from mindspeed_proxy.proxy.hf_verify import verify_hf
+
+            write_hf(ckpt, plan, tmp)
+            verification = verify_hf(ckpt, plan, tmp)
+        elif ckpt.format == "torch_dist":
             from mindspeed_proxy.proxy.dist_io import write_dist
             from mindspeed_proxy.proxy.verify import verify_dist
 
@@ -151,6 +167,9 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
         raise
     echo(f"verified: {verification}")
     echo(f"proxy written to {save}")
+    if ckpt.format == "hf":
+        echo(f"load with: AutoModelForCausalLM.from_pretrained({save!r}) ({plan.target.num_experts} experts)")
+        return plan
     echo(f"launch flags: {launch_flags(plan, save)}")
     echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
          f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")

@@ -83,8 +83,10 @@ def target_layout(source: Layout, ep2: int, k: int) -> Layout:
 
 
 def k_violations(k: int, ep2: int, tp: int, topk: int, num_experts: int, tp_extend_ep: bool = False,
-                 num_groups: Optional[int] = None, group_topk: Optional[int] = None) -> list[str]:
-    """Every rule K breaks (empty if K is valid), each spelled out."""
+                 num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 min_per_group: Optional[int] = None) -> list[str]:
+    """Every rule K breaks (empty if K is valid), each spelled out. `min_per_group`: experts each routing
+    group must keep (Hugging Face DeepSeek-V3 scores a group by its top 2 experts)."""
     problems = []
     shards = ep2 * (tp if tp_extend_ep else 1)
     if k < 1 or k > num_experts:
@@ -100,6 +102,9 @@ def k_violations(k: int, ep2: int, tp: int, topk: int, num_experts: int, tp_exte
         elif group_topk and (k // num_groups) * group_topk < topk:
             problems.append(f"K / moe_router_num_groups x moe_router_group_topk = {k // num_groups} x "
                             f"{group_topk} must be >= moe_router_topk = {topk}")
+        if min_per_group and k // num_groups < min_per_group:
+            problems.append(f"K / moe_router_num_groups = {k // num_groups} must be >= {min_per_group} "
+                            "(experts the router scores each group by)")
     return problems
 
 

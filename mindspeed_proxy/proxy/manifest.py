@@ -22,7 +22,8 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for package in ("torch", "megatron-core", "mindspeed-proxy", "scipy", "scikit-learn"):
+    for package in ("torch", "megatron-core", "mindspeed-proxy", "scipy", "scikit-learn", "safetensors",
+                    "transformers"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
@@ -66,9 +67,11 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
                                  "global_id_to_rank_local": t.mapping()}},
         "accelerators": {"source": s.world_size, "proxy": t.world_size},
         "args_diff": plan.args_diff,
-        "dropped": (["optimizer.* tensors", "optimizer (common.pt)", "rng_state objects"] if fmt == "torch_dist"
-                    else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"])
+        "dropped": [] if fmt == "hf" else
+        (["optimizer.* tensors", "optimizer (common.pt)", "rng_state objects"] if fmt == "torch_dist"
+         else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"])
         + ([] if plan.options.keep_optimizer_args else ["opt_param_scheduler"]),
+        **({"hf": ckpt.manifest_info()} if fmt == "hf" else {}),
         "layers": layers,
         "verification": verification,
     }

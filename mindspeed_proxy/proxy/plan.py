@@ -51,6 +51,7 @@ class Plan:
     bytes_to_write: int = 0
     inputs: dict = field(default_factory=dict)    # fingerprints of the data that chose the experts
     vectors: dict = field(default_factory=dict)   # global layer -> [E, D] features (outputs / FILE)
+    fmt: str = "torch"                            # the source's format: torch, torch_dist or hf
 
 
 def rules_from_args(args, layout: Layout, ep2: int) -> dict:
@@ -58,7 +59,8 @@ def rules_from_args(args, layout: Layout, ep2: int) -> dict:
     return dict(ep2=ep2, tp=layout.tp, topk=int(getattr(args, "moe_router_topk", 2) or 1),
                 num_experts=layout.num_experts, tp_extend_ep=layout.tp_extend_ep,
                 num_groups=getattr(args, "moe_router_num_groups", None),
-                group_topk=getattr(args, "moe_router_group_topk", None))
+                group_topk=getattr(args, "moe_router_group_topk", None),
+                min_per_group=getattr(args, "moe_router_min_experts_per_group", None))
 
 
 def rewrite_args(args, target: Layout) -> tuple:
@@ -81,8 +83,11 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
     rules = rules_from_args(ckpt.args, source, options.target_ep)
     check_k(options.target_k, **rules)
     target = target_layout(source, options.target_ep, options.target_k)
-    plan = Plan(source=source, target=target, options=options)
-    plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    plan = Plan(source=source, target=target, options=options, fmt=getattr(ckpt, "format", "torch"))
+    if hasattr(ckpt, "rewrite_config"):  # Hugging Face: config.json fields instead of Megatron args
+        plan.new_args, plan.args_diff = ckpt.rewrite_config(target)
+    else:
+        plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
     plan.inputs = _gather_inputs(ckpt, options, plan)
     if not usage and plan.inputs.get("calibration_usage"):
@@ -189,9 +194,12 @@ def _bytes_to_write(ckpt, plan: Plan) -> int:
 def describe(plan: Plan) -> str:
     """Human-readable plan: layouts, K, per-layer kept ids and clusters, new EP mapping, bytes to write."""
     s, t = plan.source, plan.target
-    lines = [f"source: {s.num_experts} experts, TP={s.tp} PP={s.pp} EP={s.ep} DP={s.dp} "
+    hf = plan.fmt == "hf"
+    lines = [f"source: {s.num_experts} experts per MoE layer (Hugging Face checkpoint: no parallel layout)" if hf
+             else f"source: {s.num_experts} experts, TP={s.tp} PP={s.pp} EP={s.ep} DP={s.dp} "
              f"({s.world_size} accelerators)",
-             f"proxy:  {t.num_experts} experts, TP={t.tp} PP={t.pp} EP={t.ep} DP={t.dp} "
+             f"proxy:  {t.num_experts} experts per MoE layer (K checked for EP={t.ep})" if hf
+             else f"proxy:  {t.num_experts} experts, TP={t.tp} PP={t.pp} EP={t.ep} DP={t.dp} "
              f"({t.world_size} accelerators)",
              f"selection={plan.options.selection} features={plan.options.features} cluster={plan.options.cluster} "
              f"representative={plan.options.representative} seed={plan.options.seed}"]
@@ -207,9 +215,10 @@ def describe(plan: Plan) -> str:
     n_local = t.num_local_experts
     mapping = ", ".join(f"EP{r}: new {r * n_local}..{(r + 1) * n_local - 1}" for r in range(t.ep))
     lines.append(f"new EP mapping (new id = position in the kept list): {mapping}")
-    lines.append(f"args changed: {plan.args_diff}")
+    lines.append(f"{'config.json' if hf else 'args'} changed: {plan.args_diff}")
     lines.append(f"bytes to write: {plan.bytes_to_write} ({plan.bytes_to_write / 2**20:.1f} MiB)")
-    lines.append(start_note(plan))
+    if not hf:
+        lines.append(start_note(plan))
     return "\n".join(lines)
 
 

@@ -40,6 +40,20 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true", help="legacy GroupedMLP (bf16 only)")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="q/k layernorm (GQA); with MLA the norms of the query and key/value latents")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek multi-latent attention (megatron's MLASelfAttention, MLATransformerConfig)")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA query latent rank (default: no query down-projection)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA key/value latent rank")
+    g.add_argument("--qk-head-dim", type=int, default=16, help="MLA q/k head dim without RoPE (Megatron-LM: 128)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=8,
+                   help="MLA decoupled RoPE head dim, one key shared by all heads (Megatron-LM: 64)")
+    g.add_argument("--v-head-dim", type=int, default=16, help="MLA value head dim (Megatron-LM: 128)")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, whose "
+                        "megatron-core 0.16 cache needs an accelerator device)")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true", help="fp16 params with dynamic loss scaling")
@@ -99,6 +113,12 @@ def validate_static(args: argparse.Namespace) -> None:
         raise ArgumentError("--bf16 and --fp16 exclude each other")
     if args.moe_grouped_gemm and not args.bf16:
         raise ArgumentError("--moe-grouped-gemm (legacy GroupedMLP) needs --bf16 in megatron-core")
+    if args.multi_latent_attention and args.tensor_model_parallel_size > 1:
+        # megatron-core 0.16.1's local MLA gathers linear_kv_down_proj's TP-sharded output and splits the
+        # gradient back, so the RoPE key rows only get the gradient of their own rank's heads (docs/monitor.md)
+        raise ArgumentError(f"--multi-latent-attention with --tensor-model-parallel-size "
+                            f"{args.tensor_model_parallel_size}: megatron-core's local MLA computes a wrong gradient "
+                            "for the shared RoPE key rows at TP > 1; use TP = 1")
     if args.tensor_model_parallel_size > 1 and args.num_experts:
         args.sequence_parallel = True  # megatron-core requires SP for MoE with TP > 1
 
@@ -141,6 +161,9 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
         None if per_vp is None else args.num_layers // args.pipeline_model_parallel_size // per_vp)
     args.use_dist_ckpt = args.ckpt_format == "torch_dist"
     args.padded_vocab_size = model_config(args).vocab_size
+    if args.multi_latent_attention:  # MLA keys are per head
+        args.num_query_groups = args.num_attention_heads
+        args.rope_type = args.rope_type or "rope"
     args.group_query_attention = args.num_query_groups != args.num_attention_heads
     args.add_bias_linear = False
     args.normalization = "RMSNorm"
@@ -166,7 +189,11 @@ def model_config(args: argparse.Namespace) -> TinyMoEConfig:
         moe_grouped_gemm=args.moe_grouped_gemm, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff else "none",
-        seq_length=args.seq_length,
+        seq_length=args.seq_length, qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
+        q_lora_rank=getattr(args, "q_lora_rank", None), kv_lora_rank=getattr(args, "kv_lora_rank", 32),
+        qk_head_dim=getattr(args, "qk_head_dim", 16), qk_pos_emb_head_dim=getattr(args, "qk_pos_emb_head_dim", 8),
+        v_head_dim=getattr(args, "v_head_dim", 16), rope_type=getattr(args, "rope_type", None) or "rope",
         bf16=args.bf16, fp16=args.fp16, sequence_parallel=args.sequence_parallel,
         extra=({"virtual_pipeline_model_parallel_size": vpp}
                if (vpp := getattr(args, "virtual_pipeline_model_parallel_size", None)) else {}),

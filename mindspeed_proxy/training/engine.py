@@ -183,11 +183,14 @@ class Trainer:
 
         return unwrap_model(self.model)
 
-    def train_step(self, microbatches: list[dict], iteration: Optional[int] = None) -> dict:
-        """One optimizer step over this rank's micro-batches; returns loss, grad_norm, lr, skipped.
+    def train_step(self, microbatches: list[dict], iteration: Optional[int] = None,
+                   forward_step_func: Callable = forward_step, loss_key: str = "lm loss") -> dict:
+        """One optimizer step over this rank's micro-batches; returns loss, grad_norm, lr, skipped, reports.
 
         `iteration` is the 1-based number of this step (Megatron's counter after the step); the
-        monitor, if any, is told after a successful step."""
+        monitor, if any, is told after a successful step. `forward_step_func` is Megatron's
+        forward-step function (default: the masked-mean LM loss); its loss closure reports `loss_key`,
+        and `reports` holds every micro-batch's report on the last pipeline stage."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -195,7 +198,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=forward_step_func,
             data_iterator=[iter(microbatches) for _ in self.model] if len(self.model) > 1 else iter(microbatches),
             model=self.model,
             num_microbatches=len(microbatches),
@@ -211,8 +214,8 @@ class Trainer:
                 self.monitor.after_optimizer_step(iteration)
         loss = torch.zeros(1, dtype=torch.float64)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            loss += sum(float(x["lm loss"]) for x in losses) / max(len(losses), 1)
+            loss += sum(float(x[loss_key]) for x in losses) / max(len(losses), 1)
         torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
                                     group=ps.get_pipeline_model_parallel_group())
         return {"loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": lr, "skipped": not ok}
+                "lr": lr, "skipped": not ok, "reports": losses}

@@ -63,7 +63,8 @@ def _jsonable(value):
     return value if isinstance(value, (int, float, str, bool, type(None), list)) else str(value)
 
 
-def _init_distributed(args) -> None:
+def init_distributed(args) -> None:
+    """Activate the platform, start the process group, check the world and initialise parallel_state."""
     from mindspeed_proxy import platform
     from mindspeed_proxy.testing.parallel import init_parallel
 
@@ -120,10 +121,11 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         load_format = C.checkpoint_format(args.load) if args.load else None
         monitor_config = None
         if args.inject_fault:
-            from mindspeed_proxy.faults.spec import parse_fault
+            from mindspeed_proxy.faults.spec import RL_ONLY, parse_fault
 
             for text in args.inject_fault:
-                parse_fault(text)
+                if parse_fault(text).name in RL_ONLY:
+                    raise ValueError(f"--inject-fault {text}: an RL fault; run it with python -m mindspeed_proxy.rl.train")
         if args.enable_mechanism_monitor:
             from mindspeed_proxy.monitor.arguments import default_output_dir, monitor_config_from_args
 
@@ -131,7 +133,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     except ValueError as exc:
         _fail(prog, str(exc))
     try:
-        _init_distributed(args)
+        init_distributed(args)
     except A.ArgumentError as exc:
         _fail(prog, str(exc))
     rank0 = torch.distributed.get_rank() == 0

@@ -33,7 +33,7 @@ def dense_reference(q, k, v, causal, scale=None):
     s = torch.einsum("ibhd,jbhd->bhij", q.double(), k) * scale
     if causal:
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), -math.inf)
-    return torch.einsum("bhij,jbhd->ibhd", s.softmax(dim=-1), v).reshape(sq, b, n_heads * hn)
+    return torch.einsum("bhij,jbhd->ibhd", s.softmax(dim=-1), v).reshape(sq, b, n_heads * v.shape[-1])
 
 
 def output_and_grads(fn, q, k, v, dout):
@@ -69,6 +69,22 @@ def test_full_precision_matches_dense_reference(sq, sk, b, n_heads, n_groups, hn
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert g.dtype == torch.float32 and g.shape == r.shape, name
         torch.testing.assert_close(g, r.float(), atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("bits", [None, 7], ids=["fp32", "bf16"])
+def test_value_head_dim_may_differ_from_query_key_head_dim(bits):
+    """MLA: q/k head dim qk_head_dim + qk_pos_emb_head_dim (24 here), value head dim 16."""
+    gen = torch.Generator().manual_seed(9)
+    q, k = torch.randn(21, 2, 4, 24, generator=gen), torch.randn(21, 2, 4, 24, generator=gen)
+    v, dout = torch.randn(21, 2, 4, 16, generator=gen), torch.randn(21, 2, 4 * 16, generator=gen)
+    got = output_and_grads(lambda q_, k_, v_: lowp_attention(q_, k_, v_, True, 0.2, 8, 8, mantissa_bits=bits),
+                           q, k, v, dout)
+    ref = output_and_grads(lambda q_, k_, v_: dense_reference(q_, k_, v_, True, 0.2), q.double(), k.double(),
+                           v.double(), dout)
+    tol = 1e-6 if bits is None else 3e-2
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert g.shape == r.shape, name
+        torch.testing.assert_close(g, r.float(), atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
 def test_fp32_format_name_is_exact_and_bf16_inputs_keep_their_dtype():

@@ -57,3 +57,27 @@ def test_blocks_reproduce_megatron_projections_tp2(groups):
     assert [o["heads"] for o in outs] == [[0, 1], [2, 3]]
     for out in outs:
         assert out["q"] <= 1e-5 * out["scale"] and out["k"] <= 1e-5 * out["scale"], out
+
+
+def test_group_shared_keys_keeps_one_key_block_per_group():
+    from mindspeed_proxy.monitor.qk_layout import QKLayout, group_shared_keys
+    from mindspeed_proxy.monitor.spectral import qk_increment_singular_values
+
+    gen = torch.Generator().manual_seed(3)
+    layout = QKLayout(num_heads=6, num_groups=2, head_dim=4)
+    rows = layout.num_groups * (layout.heads_per_group + 2) * layout.head_dim
+    old = torch.randn(rows, 32, generator=gen)
+    new = old + 1e-3 * torch.randn(rows, 32, generator=gen)
+    (wq_o, wk_o), (wq_n, wk_n) = qk_blocks(old, layout), qk_blocks(new, layout)
+    grouped = group_shared_keys(wq_o, wk_o, wq_n, wk_n, layout)
+    assert [tuple(x.shape) for x in grouped] == [(2, 3, 32, 4), (2, 1, 32, 4)] * 2
+    for g in range(2):
+        for j in range(3):  # the kept key block is the one every head of the group uses
+            assert torch.equal(grouped[1][g, 0], wk_o[3 * g + j]) and torch.equal(grouped[0][g, j], wq_o[3 * g + j])
+    sv = qk_increment_singular_values(*grouped).flatten(0, -2)
+    assert torch.allclose(sv, qk_increment_singular_values(wq_o, wk_o, wq_n, wk_n), rtol=1e-6, atol=0)
+    mha = QKLayout(num_heads=4, num_groups=4, head_dim=4)
+    blocks = qk_blocks(torch.randn(4 * 3 * 4, 32, generator=gen), mha) * 2
+    assert all(a is b for a, b in zip(group_shared_keys(*blocks, mha), blocks))
+    split = QKLayout(num_heads=4, num_groups=1, head_dim=4, tp_size=2)  # needs_full_weight: unchanged
+    assert all(a is b for a, b in zip(group_shared_keys(*blocks, split), blocks))

@@ -260,3 +260,158 @@ def test_spectral_functions_do_not_track_gradients():
     blocks = [torch.nn.Parameter(b) for b in random_blocks(torch.Generator().manual_seed(12), 16, 2)]
     assert not qk_increment_singular_values(*blocks).requires_grad
     assert not update_singular_values(blocks[2] - blocks[0]).requires_grad
+
+
+# --- Gram core (method "gram", the default below float64) against float64 dense SVDs --------------------
+
+from mindspeed_proxy.monitor.spectral import _psd_factor  # noqa: E402
+
+
+def relative_errors(got, ref, d):
+    """(max per-value relative error over the values above fp32 rank tolerance, entropy relative error)."""
+    got, ref = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
+    keep = ref > max(ref.shape[-1], d) * torch.finfo(torch.float32).eps * ref.max()
+    rel = ((got - ref).abs() / ref.clamp_min(1e-300))[keep].max().item()
+    ent, ent_ref = (spectral_stats(x, matrix_dim=d)["entropy"].item() for x in (got, ref))
+    return rel, abs(ent - ent_ref) / ent_ref
+
+
+@pytest.mark.parametrize("term", ["delta1", "delta2", "delta3"])
+@pytest.mark.parametrize("scale", [1e-2, 1e-4])
+def test_gram_core_fp32_matches_float64_dense(term, scale):
+    gen = torch.Generator().manual_seed(20)
+    d, h = 256, 16
+    blocks = random_blocks(gen, d, h, scale=scale, dtype=torch.float32)
+    got = qk_increment_singular_values(*blocks, term=term)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, qk_increment_singular_values(*blocks, term=term, method="gram"))
+    ref = dense_increment_sv(*[b.double() for b in blocks], term)[: got.shape[-1]]
+    rel, ent = relative_errors(got, ref, d)
+    assert rel <= 1e-4 and ent <= 1e-5, (rel, ent)
+    qr = qk_increment_singular_values(*blocks, term=term, method="qr")
+    assert relative_errors(qr, ref, d)[0] <= 1e-3  # the two methods agree with the same reference
+
+
+def test_gram_core_float64_inputs_match_dense():
+    gen = torch.Generator().manual_seed(21)
+    blocks = random_blocks(gen, 64, 8)
+    got = qk_increment_singular_values(*blocks, method="gram")
+    assert got.dtype == torch.float64
+    assert spectrum_error(got, dense_increment_sv(*blocks, "delta2")[:16]) <= 1e-12
+
+
+def test_gram_core_zero_update_is_exactly_zero():
+    gen = torch.Generator().manual_seed(22)
+    wq, wk, wq_new, wk_new = random_blocks(gen, 128, 8, dtype=torch.float32)
+    for term in ("delta1", "delta2", "delta3"):  # first sample: W_new == W_old
+        assert torch.count_nonzero(qk_increment_singular_values(wq, wk, wq, wk, term=term)) == 0
+    assert all(v.item() == 0 for v in spectral_stats(qk_increment_singular_values(wq, wk, wq, wk)).values())
+    # keys frozen: Δ2 = ΔWq Wkᵀ has rank h, the other h values are exactly zero; Δ3 = 0
+    got = qk_increment_singular_values(wq, wk, wq_new, wk)
+    ref = np.linalg.svd((wq_new.double() - wq.double()).numpy() @ wk.double().numpy().T, compute_uv=False)[:8]
+    assert relative_errors(got[:8], ref, 128)[0] <= 1e-4
+    assert torch.count_nonzero(got[8:]) == 0
+    assert torch.count_nonzero(qk_increment_singular_values(wq, wk, wq_new, wk, term="delta3")) == 0
+
+
+def test_gram_core_tiny_updates_delta3():
+    gen = torch.Generator().manual_seed(23)
+    d, h = 192, 12
+    # ΔW of ~1 fp32 ulp of W (1e-7 relative), and a tiny-magnitude layer (W ~1e-8, ΔW ~1e-15)
+    for w_scale, rel_step in ((1e-2, 1e-7), (1e-8, 1e-7), (1.0, 1e-5)):
+        wq, wk = (w_scale * torch.randn(d, h, generator=gen) for _ in range(2))
+        wq_new, wk_new = ((w.double() + rel_step * w_scale * torch.randn(d, h, generator=gen, dtype=torch.float64)
+                           ).float() for w in (wq, wk))
+        blocks = [wq, wk, wq_new, wk_new]  # the reference sees the same (exactly representable) fp32 differences
+        assert torch.count_nonzero(wq_new - wq) > d * h // 2
+        for term in ("delta3", "delta2"):
+            got = qk_increment_singular_values(*blocks, term=term)
+            ref = dense_increment_sv(*[b.double() for b in blocks], term)[: got.shape[-1]]
+            rel, ent = relative_errors(got, ref, d)
+            assert rel <= 1e-4 and ent <= 1e-5, (w_scale, rel_step, term, rel, ent)
+
+
+def test_psd_factor_rank_deficient_falls_back_without_jitter():
+    good = torch.tensor([[4.0, 2.0, 0.0], [2.0, 5.0, 1.0], [0.0, 1.0, 3.0]], dtype=torch.float64)
+    bad = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 4.0]], dtype=torch.float64)  # pivot 2 is 0
+    zero_col = torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 1.0, 2.0]], dtype=torch.float64)
+    assert torch.linalg.cholesky_ex(bad).info.item() != 0
+    grams = torch.stack([good, bad, zero_col])
+    f = _psd_factor(grams, torch.finfo(torch.float64).eps)
+    assert torch.allclose(f @ f.mT, grams, atol=1e-12, rtol=0)
+    assert torch.allclose(f[0], torch.linalg.cholesky(good), rtol=1e-14, atol=0)  # Cholesky where it succeeds
+    assert torch.count_nonzero(f[0].triu(1)) == 0
+    assert torch.linalg.matrix_rank(f[1]).item() == 2  # exact rank kept: no jitter on the null direction
+    assert torch.count_nonzero(f[2][0]) == 0  # a zero column gives an exactly zero row
+
+
+def test_gram_core_rank_deficient_query_factor():
+    # weight-decay-like update ΔWq = −Wq/2 (exact in binary): A = [ΔWq, Wq] has rank h, its Cholesky fails
+    gen = torch.Generator().manual_seed(24)
+    d, h = 160, 8
+    wq, wk, _, wk_new = random_blocks(gen, d, h, dtype=torch.float32)
+    wq_new = wq * 0.5
+    got = qk_increment_singular_values(wq, wk, wq_new, wk_new)
+    ref = dense_increment_sv(*[b.double() for b in (wq, wk, wq_new, wk_new)], "delta2")[: 2 * h]
+    assert ref[h] <= 1e-12 * ref[0]  # Δ2 = Wq (Wk/2 − ΔWk)ᵀ... rank h
+    rel, ent = relative_errors(got[:h], ref[:h], d)
+    assert rel <= 1e-4 and ent <= 1e-5
+    assert got[h:].max() <= 1e-6 * got[0]
+    assert spectral_stats(got, matrix_dim=d)["numerical_rank"].item() == h
+    # a rank-3 query weight (d×h of rank 3): Δ2 rank ≤ 3 + h from the key update
+    wq3 = (torch.randn(d, 3, generator=gen) @ torch.randn(3, h, generator=gen)).float()
+    blocks = [wq3, wk, wq3 + 1e-3 * torch.randn(d, h, generator=gen), wk_new]
+    got = qk_increment_singular_values(*blocks)
+    ref = dense_increment_sv(*[b.double() for b in blocks], "delta2")[: 2 * h]
+    top = int((ref > 1e-3 * ref[0]).sum())
+    assert relative_errors(got[:top], ref[:top], d)[0] <= 1e-4
+    assert spectrum_error(got, ref) <= 1e-3  # spurious values stay at the documented sqrt(eps) floor
+
+
+def test_gram_core_gqa_shared_key_gram_and_batch():
+    gen = torch.Generator().manual_seed(25)
+    n_kv, group, d, h = 2, 4, 96, 6
+    wq = torch.randn(n_kv, group, d, h, generator=gen)
+    wk = torch.randn(n_kv, 1, d, h, generator=gen)
+    wq_new = wq + 1e-3 * torch.randn(wq.shape, generator=gen)
+    wk_new = wk + 1e-3 * torch.randn(wk.shape, generator=gen)
+    for term in ("delta1", "delta2", "delta3"):
+        got = qk_increment_singular_values(wq, wk, wq_new, wk_new, term=term)
+        assert got.shape == (n_kv, group, h if term == "delta3" else 2 * h)
+        for g in range(n_kv):
+            for j in range(group):
+                ref = dense_increment_sv(wq[g, j], wk[g, 0], wq_new[g, j], wk_new[g, 0], term)[: got.shape[-1]]
+                assert relative_errors(got[g, j], ref, d)[0] <= 1e-4
+        explicit = qk_increment_singular_values(wq, wk.expand_as(wq), wq_new, wk_new.expand_as(wq_new), term=term)
+        assert torch.allclose(explicit, got, rtol=1e-6, atol=0)
+
+
+def test_gram_core_megatron_views_and_short_blocks():
+    gen = torch.Generator().manual_seed(26)
+    heads, h, d = 3, 4, 48
+    weights = [torch.randn(heads * h, d, generator=gen) for _ in range(2)]
+    steps = [w + 1e-3 * torch.randn(w.shape, generator=gen) for w in weights]
+    views = [w.view(heads, h, d).mT for w in (weights[0], weights[1], steps[0], steps[1])]
+    got = qk_increment_singular_values(*views)
+    assert torch.allclose(got, qk_increment_singular_values(*[v.contiguous() for v in views]), rtol=1e-6, atol=0)
+    for i in range(heads):
+        ref = dense_increment_sv(*[v[i] for v in views], "delta2")[: 2 * h]
+        assert relative_errors(got[i], ref, d)[0] <= 1e-4
+    short = random_blocks(gen, 6, 4, dtype=torch.float32)  # d < 2h
+    got = qk_increment_singular_values(*short)
+    assert got.shape == (8,) and torch.all(got[6:] == 0)
+    assert relative_errors(got[:6], dense_increment_sv(*[b.double() for b in short], "delta2"), 6)[0] <= 1e-4
+
+
+def test_lowrank_product_gram_matches_qr_and_rejects_unknown_method():
+    from mindspeed_proxy.monitor.spectral import lowrank_product_singular_values
+
+    gen = torch.Generator().manual_seed(27)
+    a = torch.randn(3, 80, 10, generator=gen)
+    b = torch.randn(1, 80, 10, generator=gen)  # shared B: broadcast
+    got = lowrank_product_singular_values(a, b)
+    for i in range(3):
+        ref = np.linalg.svd(a[i].double().numpy() @ b[0].double().numpy().T, compute_uv=False)[:10]
+        assert relative_errors(got[i], ref, 80)[0] <= 1e-4
+    with pytest.raises(ValueError):
+        lowrank_product_singular_values(a, b, method="svd")

@@ -1,0 +1,281 @@
+"""GRPO on a megatron-core MoE policy: `torchrun --nproc-per-node N -m mindspeed_proxy.rl.train [flags]`.
+
+Each step: sample `--grpo-group-size` rollouts of each prompt (no grad, fixed shapes, routing
+recorded), score them, recompute the old and reference logprobs (with R2/R3 routing replay),
+take the GRPO optimizer step(s) through Megatron's schedule, DDP and optimizer, reduce the RL
+metrics over data-parallel ranks, write one metrics.jsonl record and hand the rl family to the
+mechanism monitor. `--load` reads the weights (the optimizer starts fresh, as with --finetune).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from mindspeed_proxy.rl import replay
+from mindspeed_proxy.rl import stats as S
+
+PROG = "mindspeed_proxy.rl.train"
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REWARD_KEYS = ("reward_sum", "reward_sq_sum", "rows", "exact", "length_sum", "nonzero_groups", "groups")
+
+
+def fail(prog: str, message: str) -> None:
+    """One `prog: error: message` line on stderr, exit code 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Tell the patched router hooks and faults which pass runs (rollout / recompute / train)."""
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    previous, RUNTIME.phase = RUNTIME.phase, name
+    try:
+        yield
+    finally:
+        RUNTIME.phase = previous
+
+
+def quiet_optional_kernels() -> None:
+    """megatron-core announces each missing optional kernel package at import; on CPU that is expected."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+
+
+def setup(argv, prog: str, rl: bool = True):
+    """Parse, validate, start megatron-core and build the Trainer (+ load); returns (args, task, trainer, faults)."""
+    quiet_optional_kernels()
+    from mindspeed_proxy.faults.spec import parse_fault
+    from mindspeed_proxy.rl.arguments import parse
+    from mindspeed_proxy.rl.tasks import build_task
+    from mindspeed_proxy.training import arguments as A
+    from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training.loop import init_distributed, resolve_log_dir
+
+    monitor_config = None
+    try:
+        args = parse(argv, prog, rl)
+        faults = [parse_fault(t) for t in args.inject_fault]
+        if args.enable_mechanism_monitor:
+            from mindspeed_proxy.monitor.arguments import default_output_dir, monitor_config_from_args
+
+            monitor_config = monitor_config_from_args(args, default_output_dir(resolve_log_dir(args)))
+        load_format = C.checkpoint_format(args.load) if args.load else None
+        init_distributed(args)
+    except ValueError as exc:
+        fail(prog, str(exc))
+    task = build_task(args.rl_task, args.rl_partial_credit)
+    if monitor_config is not None or faults:
+        from mindspeed_proxy import patches
+        from mindspeed_proxy.patches.runtime import RUNTIME
+
+        RUNTIME.iteration = 0
+        patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
+    from mindspeed_proxy.training.engine import Trainer
+
+    replay.reset_instances()
+    model_cfg = A.model_config(args)
+    model_cfg = model_cfg.replace(extra={**model_cfg.extra, "moe_enable_routing_replay": True})
+    train_cfg = A.train_config(args)
+    if rl:
+        per_step = args.grpo_prompts_per_step * args.grpo_group_size * args.grpo_iterations // args.global_batch_size
+        train_cfg.train_iters = args.train_iters * per_step
+    trainer = Trainer(model_cfg, train_cfg)
+    if args.load:
+        loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
+        try:
+            loader(args.load, trainer, load_optim=False, load_rng=False)
+        except ValueError as exc:
+            if torch.distributed.get_rank() == 0:
+                print(f"{prog}: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return args, task, trainer, faults
+
+
+def active(faults, name: str, step: int):
+    """The fault `name` if it acts at `step`, else None."""
+    return next((f for f in faults if f.name == name and f.active(step)), None)
+
+
+def _reward_sums(rollouts, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from mindspeed_proxy.rl.losses import group_advantages
+
+    r = rollouts.rewards
+    advantages, nonzero = group_advantages(r, group_size)
+    sums = torch.tensor([r.sum(), r.square().sum(), r.numel(), (r == 1.0).sum(),
+                         rollouts.batch.response_mask.sum(), nonzero.sum(), nonzero.numel()], dtype=torch.float64)
+    return sums, advantages.float(), nonzero
+
+
+def _expert_load(routing: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[L, E] token counts of the routing [L, S·B, k] at the tokens in mask [S·B]."""
+    picked = routing[:, mask].reshape(routing.shape[0], -1)
+    load = torch.zeros(routing.shape[0], num_experts, dtype=torch.float64)
+    return load.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.float64))
+
+
+def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights, history, state) -> dict:
+    """One GRPO step (rollouts, passes, optimizer steps, reduced metrics); returns its metrics record."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy.rl.rollout import sample_step
+    from mindspeed_proxy.rl.weights import snapshot, swapped
+
+    cfg, dp_group = engine.cfg, ps.get_data_parallel_group()
+    t0 = time.perf_counter()
+    lag = active(faults, "policy-lag", step)
+    history.append(snapshot(engine.model)) if history.maxlen else None
+    stale = history[0] if lag is not None and len(history) == history.maxlen else None
+    lowp = active(faults, "sampler-lowp", step)
+    sampler.params.autocast_dtype = LOW_PRECISION[lowp["format"]] if lowp is not None else None
+    with swapped(engine.model, stale) if stale is not None else contextlib.nullcontext():
+        rollouts = sample_step(sampler, task, args.seed, step, cfg.prompts_per_step, cfg.group_size,
+                               phase=lambda: phase("rollout"))
+    t_rollout = time.perf_counter() - t0
+    batch = rollouts.batch
+    reward_sums, advantages, nonzero = _reward_sums(rollouts, cfg.group_size)
+    rollout_routing = batch.routed_experts if cfg.routing_replay == "r3" else None
+    with phase("recompute"):
+        old_logp, used_routing, entropy = engine.logprob_pass(batch.tokens, batch.prompt_length,
+                                                              routing=rollout_routing, record=True)
+        replayed = rollout_routing if cfg.routing_replay == "r3" else used_routing if cfg.routing_replay == "r2" \
+            else None
+        with swapped(engine.model, ref_weights):
+            ref_logp, _, _ = engine.logprob_pass(batch.tokens, batch.prompt_length, routing=replayed)
+    row_kept = nonzero.repeat_interleave(cfg.group_size).float().unsqueeze(1)  # zero-std groups are skipped
+    train_batch = {"tokens": batch.tokens, "old_logp": old_logp, "ref_logp": ref_logp, "rollout_logp": batch.logprobs,
+                   "mask": batch.response_mask * row_kept, "advantages": advantages, "routing": replayed,
+                   "prompt_length": batch.prompt_length}
+    rows_local = batch.tokens.shape[0]
+    per_opt = args.global_batch_size // ps.get_data_parallel_world_size()
+    results = []
+    for _ in range(cfg.iterations):
+        for start in range(0, rows_local, per_opt):
+            state["opt_step"] += 1
+            with phase("train"):
+                results.append(engine.train_step(train_batch, torch.arange(start, start + per_opt), state["opt_step"]))
+    # ---- reductions: one SUM all-reduce of every sum, one MAX all-reduce
+    mask = batch.response_mask
+    routing_mask = batch.routing_mask().reshape(-1)
+    flat_used = used_routing.reshape(used_routing.shape[0], -1, used_routing.shape[-1])
+    flat_rollout = batch.routed_experts.reshape(flat_used.shape)
+    consistency = S.routing_consistency_sums(flat_rollout, flat_used, routing_mask, num_experts=args.num_experts)
+    load = _expert_load(flat_used, routing_mask, args.num_experts)
+    mismatch = S.mismatch_sums(old_logp, batch.logprobs, mask)
+    importance = S.importance_sums(torch.exp(old_logp - batch.logprobs), mask)
+    entropy_sums = torch.stack([(entropy.double() * mask).sum(), (S.k3_kl(old_logp, ref_logp).double() * mask).sum()])
+    parts = [reward_sums, mismatch, importance[:S.IMPORTANCE_MAX_ENTRY], entropy_sums, consistency["exact"],
+             consistency["jaccard"], consistency["any_mismatch"].view(1), consistency["tokens"].view(1), load.view(-1)]
+    flat = torch.cat([p.double().view(-1) for p in parts])
+    torch.distributed.all_reduce(flat, group=dp_group)
+    abs_delta = ((old_logp - batch.logprobs).abs() * mask).max().double().view(1)
+    peak = torch.cat([importance[S.IMPORTANCE_MAX_ENTRY:], abs_delta])
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    sizes = [p.numel() for p in parts]
+    (reward_sums, mismatch, imp, ent, exact, jac, anym, toks, load) = torch.split(flat, sizes)
+    load = load.view(-1, args.num_experts)
+    state.setdefault("first_load", load.clone())
+    r = dict(zip(REWARD_KEYS, reward_sums.tolist()))
+    n_rows, n_tokens = r["rows"], max(float(mismatch[3]), 1.0)
+    mean = r["reward_sum"] / n_rows
+    routing = S.finalize_routing({"exact": exact, "jaccard": jac, "any_mismatch": anym[0], "tokens": toks[0]})
+    drift = S.load_drift(load, state["first_load"]).tolist()
+    last = results[-1]
+    record = {
+        "type": "step", "iteration": step, "reward_mean": mean,
+        "reward_std": max(r["reward_sq_sum"] / n_rows - mean * mean, 0.0) ** 0.5,
+        "exact_match": r["exact"] / n_rows, "nonzero_groups_ratio": r["nonzero_groups"] / r["groups"],
+        "zero_std_groups": int(r["groups"] - r["nonzero_groups"]), "response_length": r["length_sum"] / n_rows,
+        "entropy": float(ent[0]) / n_tokens, "kl_ref": float(ent[1]) / n_tokens,
+        **{k: last[k] for k in ("loss", "grad_norm", "lr", "skipped", "clip_frac_low", "clip_frac_high",
+                                "pi_over_pi_old", "tis_weight_mean", "icepop_kept_frac")},
+        **S.finalize_importance(torch.cat([imp, peak[:1]])), **S.finalize_mismatch(mismatch),
+        "mismatch_abs_logp_max": float(peak[1]),
+        "topk_match_mean": routing["topk_match_mean"], "jaccard_mean": routing["jaccard_mean"],
+        "any_layer_mismatch": routing["any_layer_mismatch"], "topk_match": routing["topk_match"],
+        "load_drift": drift, "load_drift_mean": sum(drift) / len(drift) if drift else 0.0,
+        "optimizer_steps": len(results), "skipped_steps": sum(int(x["skipped"]) for x in results),
+        "rollout_time_s": t_rollout, "step_time_s": time.perf_counter() - t0,
+    }
+    return record
+
+
+def _evaluate(args, task, sampler, metrics, step: int):
+    from mindspeed_proxy.rl.rollout import evaluate
+
+    if not args.rl_eval_prompts:
+        return None
+    sampler.params.autocast_dtype = None
+    with phase("recompute"):
+        result = evaluate(sampler, task, args.seed, args.rl_eval_prompts)
+    metrics.write({"type": "eval", "iteration": step, **result})
+    return result
+
+
+def rl_family(record: dict) -> dict:
+    """The rl family's sample of one step record: {metric: {layer or None: value}}."""
+    return {"topk_match": dict(enumerate(record["topk_match"])), "load_drift": dict(enumerate(record["load_drift"])),
+            "any_layer_mismatch": {None: record["any_layer_mismatch"]}, "entropy": {None: record["entropy"]},
+            "mismatch_k3_kl": {None: record["mismatch_k3_kl"]}}
+
+
+def main(argv=None, prog: str = PROG) -> int:
+    """Run GRPO with Megatron-LM style `argv`; returns 0, exits 2 on bad input before anything starts."""
+    quiet_optional_kernels()
+    from mindspeed_proxy.patches.runtime import RUNTIME
+    from mindspeed_proxy.rl.arguments import grpo_config
+    from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
+    from mindspeed_proxy.rl.update import GRPOEngine
+    from mindspeed_proxy.rl.weights import snapshot
+    from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training.loop import MetricsWriter, resolve_log_dir
+
+    args, task, trainer, faults = setup(argv, prog)
+    rank0 = torch.distributed.get_rank() == 0
+    engine = GRPOEngine(trainer, grpo_config(args))
+    sampler = Sampler(engine.model, SamplingParams(args.rl_default_temperature, args.rl_default_top_p,
+                                                   args.rl_max_new_tokens))
+    lag = next((f["steps"] for f in faults if f.name == "policy-lag"), 0)
+    history = collections.deque(maxlen=lag + 1 if lag else 0)
+    ref_weights = snapshot(engine.model)
+    metrics = MetricsWriter(resolve_log_dir(args), args, enabled=rank0)
+    state = {"opt_step": 0}
+    monitor = RUNTIME.monitor
+    saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
+    evaluations = [_evaluate(args, task, sampler, metrics, 0)]
+    for step in range(1, args.train_iters + 1):
+        record = rl_step(step, args, task, trainer, engine, sampler, faults, ref_weights, history, state)
+        record["faults"] = [f.name for f in faults if f.active(step)]
+        metrics.write(record)
+        if monitor is not None:
+            monitor.on_rl_step(step, rl_family(record))
+        if rank0 and step % args.log_interval == 0:
+            print(f" step {step:5d}/{args.train_iters} | reward {record['reward_mean']:.3f} | "
+                  f"exact {record['exact_match']:.3f} | entropy {record['entropy']:.3f} | "
+                  f"kl {record['kl_ref']:.2e} | topk-match {record['topk_match_mean']:.4f} | "
+                  f"|dlogp| {record['mismatch_abs_logp_mean']:.2e} | grad {record['grad_norm'] or 0:.3f} | "
+                  f"{record['step_time_s'] * 1000:.0f} ms", flush=True)
+        if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
+            saver(args.save, step, trainer, args)
+    evaluations.append(_evaluate(args, task, sampler, metrics, args.train_iters))
+    metrics.close()
+    if rank0 and evaluations[0] is not None:
+        print(f" eval reward {evaluations[0]['eval_reward']:.3f} -> {evaluations[-1]['eval_reward']:.3f} "
+              f"({evaluations[-1]['eval_rollouts']} held-out rollouts each)", flush=True)
+    if rank0:
+        print(f" metrics written to {metrics.path}", flush=True)
+    if monitor is not None:
+        if rank0:
+            print(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
+        monitor.close()
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns helper processes: keep work under main
+    sys.exit(main(sys.argv[1:]))
