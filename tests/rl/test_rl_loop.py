@@ -29,6 +29,8 @@ CONFIGS = {
     "noise_r3": ["--rl-routing-replay", "r3", "--train-iters", str(STEPS), "--enable-mechanism-monitor",
                  "--inject-fault", NOISE],
     "layout": ["--train-iters", "3", "--grpo-kl-beta", "0.01", "--grpo-entropy-term-weight", "0.001"],
+    "lowp": ["--train-iters", "3", "--inject-fault", "sampler-lowp:start=2,format=bf16"],
+    "lag": ["--train-iters", "3", "--inject-fault", "policy-lag:start=2,steps=1"],
 }
 
 
@@ -130,3 +132,12 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: ") and message in lines[0], \
         proc.stderr
     assert not log.exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("name", ["lowp", "lag"])
+def test_sampler_precision_and_policy_lag_faults_open_a_train_rollout_gap(runs, name):
+    first, *faulted = _records(os.path.join(runs, f"{name}_ep2", "metrics.jsonl"))
+    assert first["faults"] == [] and first["mismatch_abs_logp_max"] <= 1e-5
+    for rec in faulted:
+        assert rec["faults"] == [{"lowp": "sampler-lowp", "lag": "policy-lag"}[name]]
+        assert rec["mismatch_abs_logp_mean"] > 1e-4 and rec["ratio_max"] != 1.0
