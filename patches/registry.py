@@ -7,7 +7,6 @@ unsupported megatron-core version with one line naming the version and the targe
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -117,19 +116,3 @@ def apply_feature(feature: str) -> list[str]:
 def applied() -> list[str]:
     """Return the targets patched so far in this process."""
     return list(_applied)
-
-
-@contextlib.contextmanager
-def suspended(feature: str):
-    """Put back the originals of `feature`'s applied patches for the block, then re-install the patches."""
-    saved = []
-    for patch in _REGISTRY:
-        if patch.feature == feature and patch.target in _applied:
-            owner, attr, current = resolve(patch.target)
-            saved.append((owner, attr, current))
-            setattr(owner, attr, _applied[patch.target])
-    try:
-        yield
-    finally:
-        for owner, attr, current in saved:
-            setattr(owner, attr, current)

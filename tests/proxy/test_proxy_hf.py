@@ -27,17 +27,6 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
-
-@pytest.fixture(autouse=True)
-def _plain_torch():
-    """Hugging Face models run on plain torch: other tests in this process may have installed the CPU
-    transfer layer (the converter's `outputs` pass activates it in-process), which transformers is not for."""
-    from mindspeed_proxy.patches import cpu_transfer
-    from mindspeed_proxy.patches.registry import suspended
-
-    with suspended(cpu_transfer.FEATURE):
-        yield
-
 from mindspeed_proxy.proxy.cli import main  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
