@@ -45,6 +45,9 @@ def build_parser(prog: str, rl: bool = True) -> argparse.ArgumentParser:
                    help="sequence: the GSPO sequence-level ratio")
     g.add_argument("--rl-eval-prompts", type=int, default=64,
                    help="held-out prompts (x4 samples) scored before the first and after the last step; 0 = none")
+    g.add_argument("--rl-save-expert-usage", default=None, metavar="FILE",
+                   help="write the tokens routed to each expert over the run (training passes, all ranks) as "
+                        "convert_to_proxy.py's --usage-file JSON")
     g.add_argument("--rl-routing-replay", choices=list(MODES), default="off",
                    help="r2: replay the training pass's own first pass; r3: replay the rollout's routing")
     return p

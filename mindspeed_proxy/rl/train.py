@@ -181,6 +181,7 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     (reward_sums, mismatch, imp, ent, exact, jac, anym, toks, load) = torch.split(flat, sizes)
     load = load.view(-1, args.num_experts)
     state.setdefault("first_load", load.clone())
+    state["usage"] = state["usage"] + load if "usage" in state else load.clone()
     r = dict(zip(REWARD_KEYS, reward_sums.tolist()))
     n_rows, n_tokens = r["rows"], max(float(mismatch[3]), 1.0)
     mean = r["reward_sum"] / n_rows
@@ -216,6 +217,19 @@ def _evaluate(args, task, sampler, metrics, step: int):
         result = evaluate(sampler, task, args.seed, args.rl_eval_prompts)
     metrics.write({"type": "eval", "iteration": step, **result})
     return result
+
+
+def write_usage(path: str, model, usage: torch.Tensor) -> None:
+    """{"<global layer>": [tokens per expert]} of the MoE layers (rank 0 writes; the counts are all-reduced)."""
+    import json
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    layers = [m.layer_number - 1 for m in model.modules() if isinstance(m, TopKRouter)]
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({str(layer): [int(c) for c in row] for layer, row in zip(layers, usage.tolist())}, fh)
 
 
 def rl_family(record: dict) -> dict:
@@ -264,6 +278,8 @@ def main(argv=None, prog: str = PROG) -> int:
         if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
             saver(args.save, step, trainer, args)
     evaluations.append(_evaluate(args, task, sampler, metrics, args.train_iters))
+    if args.rl_save_expert_usage and "usage" in state:
+        write_usage(args.rl_save_expert_usage, engine.model, state["usage"])
     metrics.close()
     if rank0 and evaluations[0] is not None:
         print(f" eval reward {evaluations[0]['eval_reward']:.3f} -> {evaluations[-1]['eval_reward']:.3f} "

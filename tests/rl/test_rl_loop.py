@@ -47,6 +47,8 @@ def _run_configs(root: str, names: list[str], ep: int) -> None:
         log = os.path.join(root, f"{name}_ep{ep}")
         extra = ["--mechanism-monitor-output", os.path.join(log, "monitor")] if "--enable-mechanism-monitor" in \
             CONFIGS[name] else []
+        if name == "layout":
+            extra += ["--rl-save-expert-usage", os.path.join(log, "usage.json")]
         main(BASE + CONFIGS[name] + ["--expert-model-parallel-size", str(ep), "--log-dir", log, "--load", ckpt]
              + extra)
     RUNTIME.reset()
@@ -114,6 +116,14 @@ def test_ep2_on_two_ranks_equals_ep1_on_one(runs):
         assert a["response_length"] == pytest.approx(b["response_length"], rel=1e-12)
         for key in ("loss", "kl_ref", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
+def test_expert_usage_file_is_layout_independent_and_counts_every_routed_token(runs):
+    one, two = (json.load(open(os.path.join(runs, f"layout_ep{ep}", "usage.json"))) for ep in (1, 2))
+    assert one == two and sorted(one) == ["0", "1"]  # both MoE layers, global ids of all 8 experts
+    assert all(len(counts) == 8 for counts in one.values())
+    sums = {sum(counts) for counts in one.values()}
+    assert len(sums) == 1 and sums.pop() % 2 == 0  # top-2: every counted token adds 2, equally in each layer
 
 
 @pytest.mark.parametrize("flags, message", [
