@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=os.path.join(ROOT, "examples", "configs", "rl_fault_matrix.yaml"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "rl_fault_matrix.md"))
     p.add_argument("--faults", default=None, help="comma-separated subset of the config's faults")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the page from the runs recorded in --work-dir (results.json), running nothing")
     a = p.parse_args(argv)
     from mindspeed_proxy.experiments.matrix import Progress
     from mindspeed_proxy.experiments.rl_matrix import RLMatrix, load_rl_config
@@ -41,6 +43,15 @@ def main(argv=None) -> int:
     t0 = time.time()
     progress = Progress()
     m = RLMatrix(cfg, a.work_dir, ROOT, progress)
+    if a.tables_only:
+        from mindspeed_proxy.experiments.matrix import RunResult
+
+        saved = json.load(open(os.path.join(m.work, "results.json"), encoding="utf-8"))
+        results = [RunResult(**v["result"]) for v in saved["runs"].values()]
+        page = markdown(cfg, analyse(cfg, results), saved["e4"], saved["extra"])
+        open(a.out, "w", encoding="utf-8").write(page)
+        print(page)
+        return 0
     progress(f"RL fault matrix: {len(cfg['faults'])} faults x 2 models + {len(cfg['r3_controls'])} R3 controls; "
              f"work dir {m.work}")
     m.warmup()
@@ -55,13 +66,13 @@ def main(argv=None) -> int:
     data = analyse(cfg, results)
     command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py" + \
         (f" --faults {a.faults}" if a.faults else "")
-    page = markdown(cfg, data, e4, {"command": command, "wall_min": (time.time() - t0) / 60,
-                                    "cores": os.cpu_count()})
+    extra = {"command": command, "wall_min": (time.time() - t0) / 60, "cores": os.cpu_count()}
+    page = markdown(cfg, data, e4, extra)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as fh:
         fh.write(page)
     with open(os.path.join(m.work, "results.json"), "w", encoding="utf-8") as fh:
-        json.dump({"e4": e4, "runs": {k: {**{x: y for x, y in v.items() if x != "result"},
+        json.dump({"e4": e4, "extra": extra, "runs": {k: {**{x: y for x, y in v.items() if x != "result"},
                                           "result": v["result"].to_dict()} for k, v in data.items()}},
                   fh, default=str, indent=1)
     print(page)

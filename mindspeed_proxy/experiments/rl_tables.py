@@ -67,8 +67,9 @@ def run_data(run_dir, onset: Optional[int], collapse: dict) -> dict:
     families = {}
     for a in sorted(after, key=lambda a: a["step"]):
         families.setdefault(a["family"], a["step"])
-    return {"rewards": rewards, "collapse": collapse_step(rewards, onset, **collapse),
-            "alerts": len(alerts), "early_alerts": len(alerts) - len(after), "first": first, "families": families,
+    return {"rewards": rewards, "collapse": collapse_step(rewards, onset, **collapse), "alert_list": alerts,
+            "onset": onset, "alerts": len(alerts), "early_alerts": len(alerts) - len(after), "first": first,
+            "families": families,
             "routing_alerts": sum(a["mechanism"].startswith(ROUTING) for a in after),
             "topk_match_min": min((r["topk_match_mean"] for r in steps), default=None)}
 
@@ -87,14 +88,25 @@ def _label(alert: Optional[dict]) -> str:
     return f"{alert['step']} {alert['family']}/{alert['metric']}{where} ({alert['mechanism'].split(':')[0]})"
 
 
-def e1_rows(cfg: dict, data: dict) -> list[dict]:
-    """E1: first alert vs reward collapse of every run (the healthy ones must raise 0 alerts)."""
+def _restricted(d: dict, families) -> dict:
+    """A run's alert summary counting only the alerts of `families` (None: all)."""
+    if families is None:
+        return d
+    alerts = [a for a in d["alert_list"] if a["family"] in families]
+    after = [a for a in alerts if d["onset"] is None or a["step"] >= d["onset"]]
+    return {**d, "alerts": len(alerts), "early_alerts": len(alerts) - len(after),
+            "first": min(after, key=lambda a: a["step"]) if after else None}
+
+
+def e1_rows(cfg: dict, data: dict, families=None) -> list[dict]:
+    """E1: first alert (of `families`, default all) vs reward collapse of every run (healthy ones: 0 alerts)."""
     rows = []
     for fault in cfg["faults"]:
         for model in ("original", "proxy"):
             d = data.get(f"{model}_{fault}")
             if d is None:
                 continue
+            d = _restricted(d, families)
             first, collapse = d["first"], d["collapse"]
             lead = collapse - first["step"] if first and collapse is not None else None
             if d["result"].returncode:
@@ -200,10 +212,14 @@ def markdown(cfg: dict, data: dict, e4: Optional[dict], extra: dict) -> str:
         f"EP={cfg['original']['expert_parallel']}, {cfg['original']['ranks']} ranks), converted to "
         f"{cfg['proxy']['num_experts']} experts at EP={cfg['proxy']['expert_parallel']} ({cfg['proxy']['ranks']} "
         f"rank); each run: {cfg['run_iters']} GRPO steps from it, faults from step {cfg['onset']}, monitor on "
-        "(MonitorConfig defaults). Reward collapse: the "
+        f"(`examples/configs/{cfg['monitor_config'] or 'MonitorConfig defaults'}`). Reward collapse: the "
         f"{cfg['collapse']['window']}-step mean reward below {cfg['collapse']['factor']} × its mean before the "
         "onset. Every miss is reported as a miss.\n\n",
         "## E1: first alert vs reward collapse\n\n", _table(e1_rows(cfg, data)),
+        "\nThe same runs counting only the router and rl families (the families are independent detectors, so "
+        "these are the alerts a monitor without the spectral families would have raised; this view was chosen "
+        "after seeing the spectral families' false alerts on the healthy runs):\n\n",
+        _table(e1_rows(cfg, data, families=("router", "rl"))),
         "\n## E2: which family names which fault (first alert step per family, from the onset)\n\n",
         _table(e2_rows(cfg, data)),
         "\nR3 control (routing replay of the rollout's routing): the routing-mismatch alerts must vanish.\n\n",

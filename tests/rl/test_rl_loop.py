@@ -28,7 +28,9 @@ CONFIGS = {
                   "--inject-fault", NOISE],
     "noise_r3": ["--rl-routing-replay", "r3", "--train-iters", str(STEPS), "--enable-mechanism-monitor",
                  "--inject-fault", NOISE],
-    "layout": ["--train-iters", "3", "--grpo-kl-beta", "0.01", "--grpo-entropy-term-weight", "0.001"],
+    # R2 (replay the old-logprob pass's routing) in both layouts
+    "layout": ["--train-iters", "3", "--grpo-kl-beta", "0.01", "--grpo-entropy-term-weight", "0.001",
+               "--rl-routing-replay", "r2"],
     "lowp": ["--train-iters", "3", "--inject-fault", "sampler-lowp:start=2,format=bf16"],
     "lag": ["--train-iters", "3", "--inject-fault", "policy-lag:start=2,steps=1"],
 }
@@ -116,6 +118,7 @@ def test_ep2_on_two_ranks_equals_ep1_on_one(runs):
         assert a["response_length"] == pytest.approx(b["response_length"], rel=1e-12)
         for key in ("loss", "kl_ref", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["pi_over_pi_old"] == b["pi_over_pi_old"] == 1.0  # one step per batch: the training pass is π_old
 
 
 def test_expert_usage_file_is_layout_independent_and_counts_every_routed_token(runs):
