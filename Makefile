@@ -23,11 +23,8 @@ demo: setup
 rl-demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
-# the Hugging Face tests run in a process of their own: after megatron-core has run in a process (the
-# converter's in-process `outputs` pass), transformers' MoE forward there differs (not yet understood)
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests --ignore=tests/proxy/test_proxy_hf.py
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests/proxy/test_proxy_hf.py
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 clean-venv:
 	rm -rf $(VENV)

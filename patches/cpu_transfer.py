@@ -415,8 +415,22 @@ class _SameGeneratorFilter(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def _keep_device_contexts_working() -> None:
+    """`with torch.device("meta")` (transformers' from_pretrained, FSDP meta init) injects the device into the
+    factories it finds in `torch.utils._device._device_constructors()`, a set cached on its first call. Were that
+    first call to come after our wrappers replaced torch.empty & co., the set would hold the wrappers, the
+    originals they call would not be recognised, and meta-device tensors would be made as uninitialised CPU
+    tensors: compute the set now, before the wrappers exist."""
+    try:
+        from torch.utils import _device
+    except ImportError:  # pragma: no cover - torch without device contexts
+        return
+    _device._device_constructors()
+
+
 def install() -> list[str]:
     """Install the transfer-to-CPU layer once; return the targets patched by this call."""
+    _keep_device_contexts_working()
     _register_all()
     logger = logging.getLogger("megatron.core.tensor_parallel.random")
     if not any(isinstance(f, _SameGeneratorFilter) for f in logger.filters):

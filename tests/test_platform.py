@@ -130,3 +130,16 @@ def test_registry_refuses_unsupported_megatron_version():
         registry.apply_feature("test-version-gate")
     message = str(info.value)
     assert "\n" not in message and "math:tau" in message and str(registry.megatron_core_version()) in message
+
+
+def test_device_contexts_still_work_under_the_cpu_layer():
+    """`with torch.device("meta")` after the layer is installed (transformers' from_pretrained relies on it)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom mindspeed_proxy import platform\nplatform.activate('cpu')\n"
+            "with torch.device('meta'):\n    t = torch.empty(3)\n    m = torch.nn.Linear(2, 2)\n"
+            "assert t.is_meta and m.weight.is_meta, (t.device, m.weight.device)\n"
+            "assert torch.empty(3, device='cuda').device.type == 'cpu'\nprint('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
