@@ -215,6 +215,7 @@ def markdown(cfg: dict, data: dict, e4: Optional[dict], extra: dict) -> str:
         f"(`examples/configs/{cfg['monitor_config'] or 'MonitorConfig defaults'}`). Reward collapse: the "
         f"{cfg['collapse']['window']}-step mean reward below {cfg['collapse']['factor']} × its mean before the "
         "onset. Every miss is reported as a miss.\n\n",
+        "".join(f"- {note}\n" for note in extra.get("notes", [])) + ("\n" if extra.get("notes") else ""),
         "## E1: first alert vs reward collapse\n\n", _table(e1_rows(cfg, data)),
         "\nThe same runs counting only the router and rl families (the families are independent detectors, so "
         "these are the alerts a monitor without the spectral families would have raised; this view was chosen "

@@ -32,6 +32,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "mismatch_k3_kl": "up",
     "mismatch_abs_logp_mean": "up",
     "load_drift": "up",
+    "frobenius": "up",
 }
 
 MECHANISMS: dict[str, tuple[str, str]] = {
@@ -64,6 +65,10 @@ METRIC_MECHANISMS: dict[tuple[str, str], tuple[str, str]] = {
     ("rl", "entropy"): (
         "entropy-collapse: the policy's token entropy fell far below its baseline",
         "raise --grpo-entropy-term-weight or --grpo-clamp-eps-upper (clip-higher), lower the LR, check rewards",
+    ),
+    ("update-spectral", "frobenius"): (
+        "update-magnitude jump: ‖ΔW‖_F far above its baseline",
+        "the weights move far faster than before: check the LR schedule (LR spike), loss scaling, grad clipping",
     ),
     ("rl", "load_drift"): (
         "expert-load drift: the experts' token shares moved away from the first RL step's",

@@ -224,6 +224,11 @@ class MechanismMonitor:
                 self.snapshots[("w", a.layer, 0)] = a.read_qkv().detach().to(
                     device=target_device, dtype=torch.float32, copy=True)
 
+    def weights_loaded(self) -> None:
+        """The weights were replaced (a checkpoint load): retake the snapshots held, so no ΔW spans the load."""
+        if self.snapshots:
+            self._take_snapshots()
+
     def bytes_held(self) -> int:
         """Bytes of the fp32 weight snapshots this rank holds."""
         return sum(s.numel() * s.element_size() for s in self.snapshots.values())

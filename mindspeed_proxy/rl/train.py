@@ -67,13 +67,15 @@ def setup(argv, prog: str, rl: bool = True):
 
             monitor_config = monitor_config_from_args(args, default_output_dir(resolve_log_dir(args)))
         load_format = C.checkpoint_format(args.load) if args.load else None
+        args.owns_process_group = not torch.distributed.is_initialized()
         init_distributed(args)
     except ValueError as exc:
         fail(prog, str(exc))
     task = build_task(args.rl_task, args.rl_partial_credit)
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
     if monitor_config is not None or faults:
         from mindspeed_proxy import patches
-        from mindspeed_proxy.patches.runtime import RUNTIME
 
         RUNTIME.iteration = 0
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
@@ -91,11 +93,20 @@ def setup(argv, prog: str, rl: bool = True):
         loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
         try:
             loader(args.load, trainer, load_optim=False, load_rng=False)
+            if RUNTIME.monitor is not None:
+                RUNTIME.monitor.weights_loaded()
         except ValueError as exc:
             if torch.distributed.get_rank() == 0:
                 print(f"{prog}: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
     return args, task, trainer, faults
+
+
+def finish(args) -> None:
+    """End a run this process started: all ranks meet, then the process group goes (gloo can abort at exit)."""
+    if getattr(args, "owns_process_group", False):
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def active(faults, name: str, step: int):
@@ -290,6 +301,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank0:
             print(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
+    finish(args)
     return 0
 
 

@@ -161,6 +161,8 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
             raise SystemExit(2) from None
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
+        if monitor is not None:
+            monitor.weights_loaded()
         state_file = os.path.join(C.iteration_dir(args.load, info["iteration"]), MONITOR_STATE)
         if monitor is not None and not args.finetune and os.path.isfile(state_file):
             monitor.load_state_dict(json.load(open(state_file, encoding="utf-8")))

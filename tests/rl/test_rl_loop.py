@@ -27,7 +27,7 @@ CONFIGS = {
     "noise_off": ["--rl-routing-replay", "off", "--train-iters", str(STEPS), "--enable-mechanism-monitor",
                   "--inject-fault", NOISE],
     "noise_r3": ["--rl-routing-replay", "r3", "--train-iters", str(STEPS), "--enable-mechanism-monitor",
-                 "--inject-fault", NOISE],
+                 "--inject-fault", NOISE, "--mechanism-monitor-interval", "2"],
     # R2 (replay the old-logprob pass's routing) in both layouts
     "layout": ["--train-iters", "3", "--grpo-kl-beta", "0.01", "--grpo-entropy-term-weight", "0.001",
                "--rl-routing-replay", "r2"],
@@ -104,7 +104,11 @@ def test_r3_is_the_control_no_routing_mismatch_alert(runs):
     alerts = _records(os.path.join(runs, "noise_r3_ep2", "monitor", "monitor.jsonl"), "alert")
     assert not [a for a in alerts if a["mechanism"].startswith("routing-mismatch")]
     samples = _records(os.path.join(runs, "noise_r3_ep2", "monitor", "monitor.jsonl"), "sample")
-    assert {"rl", "router"} <= {s["family"] for s in samples}  # the trainer's families run in the RL loop too
+    assert {"rl", "router", "update-spectral"} <= {s["family"] for s in samples}  # the trainer's families too
+    # the first ΔW (steps 0-2) starts at the loaded weights, not at the random init the model was built with
+    norms = [sum(st["frobenius"] for layer in s["layers"].values() for st in layer.values())
+             for s in samples if s["family"] == "update-spectral"]
+    assert len(norms) == STEPS // 2 and norms[0] < 3 * sorted(norms)[len(norms) // 2]
 
 
 def test_ep2_on_two_ranks_equals_ep1_on_one(runs):
