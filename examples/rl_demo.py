@@ -51,16 +51,6 @@ def alerts(log_dir: str) -> list[dict]:
         return [r for r in map(json.loads, fh) if r.get("type") == "alert"]
 
 
-def pearson(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of two equal-length series."""
-    n = min(len(a), len(b))
-    a, b = a[:n], b[:n]
-    ma, mb = sum(a) / n, sum(b) / n
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    va, vb = sum((x - ma) ** 2 for x in a) ** 0.5, sum((y - mb) ** 2 for y in b) ** 0.5
-    return cov / (va * vb) if va and vb else float("nan")
-
-
 def main(argv=None) -> int:
     """SFT, GRPO, convert, faulted original / proxy / R3 control; prints what each step measured."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -114,7 +104,9 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, step, metric, match, _, ranks, seconds in rows:
         print(f"| {name} | {ranks} | {step if step is not None else 'none'} | {metric} | {match:.4f} | {seconds:.0f} |")
-    r = pearson(rows[0][4], rows[1][4])
+    from mindspeed_proxy.experiments.rl_tables import pearson
+
+    r = pearson(rows[0][4], rows[1][4]) or float("nan")
     print(f"\nproxy reproduces the fault: alert on both faulted runs: "
           f"{'yes' if rows[0][1] and rows[1][1] else 'NO'}; none under R3: {'yes' if rows[2][1] is None else 'NO'}; "
           f"reward Pearson original vs proxy over the faulted runs: {r:.3f}")
