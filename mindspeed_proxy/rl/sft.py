@@ -50,7 +50,7 @@ def main(argv=None, prog: str = PROG) -> int:
         print(f" eval: reward {evaluation['eval_reward']:.3f}, exact match {evaluation['eval_exact_match']:.3f} "
               f"over {evaluation['eval_rollouts']} sampled rollouts (temperature 1)", flush=True)
     if args.save:
-        saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
+        saver = C.saver(args.ckpt_format)
         saver(args.save, args.train_iters, trainer, args)
         if rank0:
             print(f" saved {args.ckpt_format} checkpoint at iteration {args.train_iters} to {args.save}")

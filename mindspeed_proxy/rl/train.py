@@ -90,7 +90,7 @@ def setup(argv, prog: str, rl: bool = True):
         train_cfg.train_iters = args.train_iters * per_step
     trainer = Trainer(model_cfg, train_cfg)
     if args.load:
-        loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
+        loader = C.loader(load_format)
         try:
             loader(args.load, trainer, load_optim=False, load_rng=False)
             if RUNTIME.monitor is not None:
@@ -141,7 +141,8 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     cfg, dp_group = engine.cfg, ps.get_data_parallel_group()
     t0 = time.perf_counter()
     lag = active(faults, "policy-lag", step)
-    history.append(snapshot(engine.model)) if history.maxlen else None
+    if history.maxlen:
+        history.append(snapshot(engine.model))
     stale = history[0] if lag is not None and len(history) == history.maxlen else None
     lowp = active(faults, "sampler-lowp", step)
     sampler.params.autocast_dtype = LOW_PRECISION[lowp["format"]] if lowp is not None else None
@@ -272,7 +273,7 @@ def main(argv=None, prog: str = PROG) -> int:
     metrics = MetricsWriter(resolve_log_dir(args), args, enabled=rank0)
     state = {"opt_step": 0}
     monitor = RUNTIME.monitor
-    saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
+    saver = C.saver(args.ckpt_format)
     evaluations = [_evaluate(args, task, sampler, metrics, 0)]
     for step in range(1, args.train_iters + 1):
         record = rl_step(step, args, task, trainer, engine, sampler, faults, ref_weights, history, state)

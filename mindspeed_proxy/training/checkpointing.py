@@ -322,3 +322,13 @@ def checkpoint_format(root: str, iteration: int | None = None) -> str:
     if any(name.startswith("mp_rank_") for name in os.listdir(folder)):
         return "torch"
     raise ValueError(f"--load {root}: {folder} holds neither mp_rank_* folders nor a torch_dist checkpoint")
+
+
+def saver(fmt: str):
+    """The save function of checkpoint format `fmt` ("torch_dist" or Megatron-LM's legacy "torch")."""
+    return save_dist if fmt == "torch_dist" else save_legacy
+
+
+def loader(fmt: str):
+    """The load function of checkpoint format `fmt` ("torch_dist" or Megatron-LM's legacy "torch")."""
+    return load_dist if fmt == "torch_dist" else load_legacy

@@ -151,7 +151,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     monitor = _active_monitor()
     start = 0
     if args.load:
-        loader = C.load_dist if load_format == "torch_dist" else C.load_legacy
+        loader = C.loader(load_format)
         try:
             info = loader(args.load, trainer, load_optim=not (args.finetune or args.no_load_optim),
                           load_rng=not (args.finetune or args.no_load_rng))
@@ -168,7 +168,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
             monitor.load_state_dict(json.load(open(state_file, encoding="utf-8")))
     log_dir = resolve_log_dir(args)
     metrics = MetricsWriter(log_dir, args, enabled=rank0)
-    saver = C.save_dist if args.ckpt_format == "torch_dist" else C.save_legacy
+    saver = C.saver(args.ckpt_format)
     skipped = 0
     for iteration in range(start, args.train_iters):
         ids = microbatch_sample_ids(trainer.cfg, iteration)
