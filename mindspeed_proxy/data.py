@@ -241,9 +241,9 @@ def validate_data_prefix(prefix: str) -> None:
 
 @contextlib.contextmanager
 def _process_lock(directory: Path):
-    """Exclusive flock across independent processes (skipped inside torch.distributed: megatron
-    already builds on rank 0, barriers, then loads on the others; a lock there could deadlock)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """Exclusive flock across independent processes, held by global rank 0 only inside torch.distributed
+    (megatron builds on rank 0, barriers, then loads on the others: a lock on every rank could deadlock)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         yield
         return
     import fcntl

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing.shared import built_once, shared_dir
 from mindspeed_proxy.training.loop import train
 
 TINY = ["--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--global-batch-size", "8",
@@ -41,34 +42,31 @@ def model_flags(name: str) -> list:
 
 
 class Checkpoints:
-    """Builds each named checkpoint on first use, under one session folder, in format `fmt`."""
+    """Builds each named checkpoint on first use, once per test run (shared by pytest-xdist workers), in `fmt`."""
 
     def __init__(self, root, fmt="torch"):
         self.root = root
         self.fmt = fmt
-        self.paths = {}
 
     def __call__(self, name: str) -> str:
-        if name not in self.paths:
-            world, flags = CONFIGS[name]
-            path = os.path.join(self.root, name)
-            run_distributed(train, world, TINY + flags + ["--ckpt-format", self.fmt, "--save", path,
-                                                          "--log-dir", os.path.join(self.root, name + "-logs")],
-                            timeout=300)
-            self.paths[name] = path
-        return self.paths[name]
+        world, flags = CONFIGS[name]
+        path = os.path.join(self.root, name)
+        build = lambda: run_distributed(  # noqa: E731
+            train, world, TINY + flags + ["--ckpt-format", self.fmt, "--save", path,
+                                          "--log-dir", os.path.join(self.root, name + "-logs")], timeout=300)
+        return built_once(path, build)
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """checkpoints(name) -> path of a real legacy checkpoint from CONFIGS."""
-    return Checkpoints(str(tmp_path_factory.mktemp("proxy-ckpts")))
+    return Checkpoints(shared_dir(tmp_path_factory, "proxy-ckpts"))
 
 
 @pytest.fixture(scope="session")
 def dist_checkpoints(tmp_path_factory):
     """dist_checkpoints(name) -> path of a real torch_dist checkpoint from CONFIGS."""
-    return Checkpoints(str(tmp_path_factory.mktemp("proxy-dist-ckpts")), "torch_dist")
+    return Checkpoints(shared_dir(tmp_path_factory, "proxy-dist-ckpts"), "torch_dist")
 
 
 def folder_hash(root: str) -> str:
