@@ -4,7 +4,7 @@ On one machine a run is bit-identical from run to run (one thread per rank, seed
 a fixed gloo reduction order). Across machines the BLAS and torch's own vectorised kernels pick a code path
 by the CPU's instruction set (AVX2 / AVX-512), and each rounds differently; the `env` block of
 examples/configs/fault_matrix.yaml pins those paths (docs/determinism.md). `numerics_record()` is written
-into every run's metrics.jsonl so that two runs' settings can be compared.
+into the `args` record of every run's metrics.jsonl (key `numerics`) so that two runs' settings can be compared.
 """
 from __future__ import annotations
 
@@ -32,6 +32,6 @@ def numerics_record() -> dict:
     """The settings this process computes under: torch version, ATen ISA, threads, pinning env vars, CPU."""
     import torch
 
-    return {"type": "numerics", "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "env": {k: os.environ.get(k) for k in NUMERIC_ENV},
             "cpu": cpu_model()}

@@ -37,7 +37,7 @@ def test_demo_warmup_twice_gives_bit_identical_losses_and_weights(tmp_path):
     losses = [[(r["loss"], r["grad_norm"]) for r in recs if r["type"] == "step"] for recs in runs]
     assert len(losses[0]) == STEPS
     assert [(x.hex(), g.hex()) for x, g in losses[0]] == [(x.hex(), g.hex()) for x, g in losses[1]]
-    numerics = [r for r in runs[0] if r["type"] == "numerics"][0]  # the ranks ran under the pinned env
+    numerics = runs[0][0]["numerics"]  # the args record: the ranks ran under the pinned env
     assert numerics["threads"] == 1 and numerics["env"]["MKL_CBWR"] == cfg["env"]["MKL_CBWR"]
     assert numerics["cpu_capability"] == cfg["env"]["ATEN_CPU_CAPABILITY"].upper()
     a, b = (_weights(w) for w in works)
