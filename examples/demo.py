@@ -27,6 +27,15 @@ def with_seed(train_args: list[str], seed: int) -> list[str]:
     return [*out, "--seed", str(seed)]
 
 
+def numerics_of(run_dir) -> dict:
+    """The `numerics` of a run's metrics.jsonl args record ({} when absent)."""
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        first = json.loads(fh.readline() or "{}")
+    return first.get("numerics") or {}
+
+
 def main(argv=None) -> int:
     """Warm-up, convert, original and proxy under the fault, reports and compare, with progress lines."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -73,6 +82,12 @@ def main(argv=None) -> int:
           f"{'yes' if c['a']['diverged'] == c['b']['diverged'] else 'NO'}; first alert within ±25% of the "
           f"original's: {'yes' if fa and fb and abs(fb - fa) <= 0.25 * fa else 'NO'}; first alerts from the same "
           f"side (spectral families vs router): {'yes' if kinds[0] == kinds[1] else 'NO'} ({kinds[0]} / {kinds[1]})")
+    n = numerics_of(results[0].run_dir)
+    if n:
+        print(f"\nnumerics: torch {n['torch']}, ATen {n['cpu_capability']}, {n['threads']} thread(s) per rank, "
+              f"MKL_CBWR={n['env'].get('MKL_CBWR')}, on {n['cpu']}. Under the config's pins another x86-64 CPU "
+              f"with AVX2 and this torch build takes the same kernels; where the numbers differ, the lead stayed "
+              f"positive over 5 recorded warm-ups (docs/determinism.md)")
     print(f"\nplots and summaries (summary.html opens in a browser): {plots}")
     progress("demo done")
     return 0
