@@ -34,6 +34,7 @@ def load_config(path, mode: str = "quick") -> dict:
     cfg = {**copy.deepcopy(cfg), **copy.deepcopy(overrides)}
     cfg["mode"], cfg["config_path"] = mode, str(path)
     cfg["monitor_config"] = str((path.parent / cfg["monitor_config"]).resolve())
+    cfg["env"] = {str(k): str(v) for k, v in (cfg.get("env") or {}).items()}
     unknown = set(cfg["expected_families"]) ^ set(cfg["faults"])
     if unknown:
         raise ValueError(f"{path}: faults and expected_families name different faults: {sorted(unknown)}")
@@ -129,6 +130,7 @@ class Matrix:
         self.trainer = str(self.root / "examples" / "train_moe.py")
         self.warm_ckpt = self.work / "warmup" / "ckpt"
         self.proxy_ckpt = self.work / "proxy_ckpt"
+        self.env = cfg.get("env") or {}  # pinned threads and kernel code paths of every launched process
         self.warmup_result: RunResult | None = None
         self.convert_info: dict = {}
 
@@ -154,7 +156,7 @@ class Matrix:
         self.progress(f"warm-up: original ({o['num_experts']} experts, EP={o['expert_parallel']}, "
                       f"{o['ranks']} ranks), {w['iters']} healthy steps ...")
         cmd = torchrun(o["ranks"], self.trainer, args)
-        rc, cpu, wall = launch(cmd, self.warm_ckpt.parent / "train.log")
+        rc, cpu, wall = launch(cmd, self.warm_ckpt.parent / "train.log", self.env)
         if rc:
             raise RuntimeError(f"warm-up failed (rc {rc}); see {self.warm_ckpt.parent / 'train.log'}")
         self.warmup_result = RunResult("warmup", "original", "none", None, str(self.warm_ckpt.parent / "logs"),
@@ -171,7 +173,7 @@ class Matrix:
                "--target-num-experts", str(p["num_experts"]), "--overwrite", *p.get("convert_args", [])]
         self.progress(f"convert: {self.cfg['original']['num_experts']} -> {p['num_experts']} experts, "
                       f"EP {self.cfg['original']['expert_parallel']} -> {p['expert_parallel']} ...")
-        rc, cpu, wall = launch(cmd, self.work / "convert.log")
+        rc, cpu, wall = launch(cmd, self.work / "convert.log", self.env)
         if rc:
             raise RuntimeError(f"convert_to_proxy.py failed (rc {rc}); see {self.work / 'convert.log'}")
         manifest = json.loads((self.proxy_ckpt / "proxy_manifest.json").read_text())
@@ -204,7 +206,7 @@ class Matrix:
             args += ["--inject-fault", spec]
         cmd = torchrun(m["ranks"], self.trainer, args)
         self.progress(f"run {name}: {m['ranks']} rank(s), {r['iters']} steps, fault {spec or 'none'} ...")
-        rc, cpu, wall = launch(cmd, run_dir / "train.log")
+        rc, cpu, wall = launch(cmd, run_dir / "train.log", self.env)
         res = RunResult(name, model, fault, spec, str(run_dir), m["ranks"], r["iters"], rc, cpu, wall, cmd)
         if rc:
             raise RuntimeError(f"run {name} failed (rc {rc}); see {run_dir / 'train.log'}")

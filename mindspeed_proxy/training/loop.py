@@ -37,7 +37,7 @@ def resolve_log_dir(args) -> str:
 
 
 class MetricsWriter:
-    """metrics.jsonl on global rank 0: one record of resolved arguments, then one per step."""
+    """metrics.jsonl on global rank 0: resolved arguments and numerics settings (threads, ISA), then one per step."""
 
     def __init__(self, log_dir: str, args, enabled: bool):
         self.enabled = enabled
@@ -45,7 +45,10 @@ class MetricsWriter:
         if enabled:
             os.makedirs(log_dir, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")
-            self.write({"type": "args", "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())}})
+            from mindspeed_proxy.determinism import numerics_record
+
+            self.write({"type": "args", "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())},
+                        "numerics": numerics_record()})
 
     def write(self, record: dict) -> None:
         """Append one JSON record (rank 0 only) and flush."""
