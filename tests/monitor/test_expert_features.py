@@ -64,12 +64,14 @@ def ep2(tmp_path_factory):
     return run_distributed(features_run, 2, folder, ep=2), folder
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2"])
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2-sp"])
 def test_two_ranks_write_what_one_rank_writes(one_rank, ep2, tmp_path, layout):
+    """EP=2 (tokens gathered over EP), DP=2 (sums over expert-DP), TP=2 with SP (expert-TP partial sums)."""
     if layout == "ep2":
         runs, folder = ep2
     else:
-        runs, folder = run_distributed(features_run, 2, str(tmp_path), ep=1), str(tmp_path)
+        kwargs = dict(ep=1) if layout == "dp2" else dict(tp=2)
+        runs, folder = run_distributed(features_run, 2, str(tmp_path), **kwargs), str(tmp_path)
     feats, usage, records = _read(folder)
     ref_feats, ref_usage, _ = one_rank[1]
     assert sorted(feats) == sorted(ref_feats) == ["0", "1"]
