@@ -85,9 +85,7 @@ class MechanismMonitor:
             self.disabled.add("router")
         self.expert_features = (ExpertFeatureCollector(t.num_layers, t.num_experts, self.model_config.hidden_size,
                                                        self.groups, self.device)
-                                if t.num_experts and cfg.expert_features else None)
-        if self.expert_features is None:
-            self.disabled.add("expert-features")
+                                if t.num_experts and cfg.expert_features else None)  # None: off, not "disabled"
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
@@ -105,11 +103,12 @@ class MechanismMonitor:
     @property
     def wants_moe_input(self) -> bool:
         """Whether the MoE-layer input hook has anything to do (the expert-feature collector is on)."""
-        return "expert-features" not in self.disabled and not self.expert_features.written
+        features = self.expert_features
+        return features is not None and not features.written and "expert-features" not in self.disabled
 
     def on_moe_input(self, module, hidden_states: torch.Tensor, step: int) -> None:
         """One training forward of a MoE layer at optimizer step `step`: collect expert features when due."""
-        if "expert-features" in self.disabled or not self.config.expert_features_step(step):
+        if not self.wants_moe_input or not self.config.expert_features_step(step):
             return
         try:
             self.expert_features.collect(module, hidden_states, step, "expert-features" in self._failures)
@@ -145,7 +144,7 @@ class MechanismMonitor:
                 self._spectral_step(iteration)
             if cfg.snapshot_step(iteration):
                 self._take_snapshots()
-            features_due = cfg.expert_features_step(iteration) and "expert-features" not in self.disabled
+            features_due = cfg.expert_features_step(iteration) and self.wants_moe_input
             if (spectral_due or cfg.snapshot_step(iteration) or features_due) and not ran:
                 self._agree(None)
             if features_due and iteration == cfg.expert_features_end():
@@ -478,7 +477,8 @@ class MechanismMonitor:
         self.router_detectors.load_state_dict(state["router_detectors"])
         if "rl_detectors" in state:
             self.rl_detectors.load_state_dict(state["rl_detectors"])
-        self.disabled = set(state["disabled"])
+        # the expert-feature collector follows this run's config, not the saved run's
+        self.disabled = set(state["disabled"]) - {"expert-features"} | (self.disabled & {"expert-features"})
         prev = state.get("prev_load")
         self._prev_load = None if prev is None else torch.tensor(prev, device=self.device)
 

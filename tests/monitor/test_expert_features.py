@@ -16,14 +16,15 @@ STEPS = 3
 
 
 def features_run(out_dir, tp=1, ep=1, fail_on_rank=None):
-    """Train 3 steps with the monitor's expert-feature collector on steps 2 and 3 (patched megatron-core)."""
+    """Train 3 steps at LR 0 (the same weights in every layout and step) with the monitor's expert-feature
+    collector on steps 1 and 3 (patched megatron-core)."""
     import torch.distributed as dist
 
     from mindspeed_proxy import patches
     from mindspeed_proxy.monitor import MonitorConfig
 
     patches.apply(MonitorConfig(families=["router"], router_interval=1, sinks=["jsonl"], output_dir=out_dir,
-                                expert_features=True, expert_features_start=2, expert_features_steps=2))
+                                expert_features=True, expert_features_interval=2, expert_features_steps=2))
     if fail_on_rank is not None and dist.get_rank() == fail_on_rank:
         from mindspeed_proxy.proxy import outputs
 
@@ -32,7 +33,7 @@ def features_run(out_dir, tp=1, ep=1, fail_on_rank=None):
         outputs.expert_sums = broken
     init_parallel(tp=tp, ep=ep)
     model_cfg = TinyMoEConfig(num_layers=2, sequence_parallel=tp > 1)
-    train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4)
+    train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4, lr=0.0, min_lr=0.0)
     trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=5))
     losses = []
     for it in range(STEPS):
@@ -84,7 +85,7 @@ def test_two_ranks_write_what_one_rank_writes(one_rank, ep2, tmp_path, layout):
     for counts in usage.values():
         assert sum(counts) == 2 * 2 * 4 * 64  # top-2 of the tokens of 2 sampled steps (gbs 4 x 64)
     written = [r for r in records if r["type"] == "expert-features"]
-    assert len(written) == 1 and written[0]["steps"] == [2, 3] and written[0]["tokens"] == {"0": 512, "1": 512}
+    assert len(written) == 1 and written[0]["steps"] == [1, 3] and written[0]["tokens"] == {"0": 512, "1": 512}
     assert runs[0]["disabled"] == runs[1]["disabled"] and "expert-features" not in runs[0]["disabled"]
 
 
