@@ -5,6 +5,9 @@
   each successful step (not one the grad scaler rejected) calls `after_optimizer_step(iteration)`.
 - `TopKRouter.routing`: hands the logits it receives (before top-k) and the routing map it returns to
   `on_router_logits`. With no active monitor it only returns the original's result.
+- `MoELayer.forward`: hands the MoE layer's input hidden states (after the pre-MLP norm) to
+  `on_moe_input` for the expert-feature collector, on training forwards only (train mode, grad enabled, so
+  a recomputed forward counts once; RUNTIME.phase "train"); nothing happens when the collector is off.
 - Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them).
 """
 from __future__ import annotations
@@ -73,6 +76,21 @@ def router_routing_wrapper(original):
     return routing
 
 
+def moe_forward_wrapper(original):
+    """Wrap MoELayer.forward to pass its input hidden states to the monitor's expert-feature collector."""
+    import torch
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        monitor = RUNTIME.monitor
+        if (monitor is not None and monitor.wants_moe_input and RUNTIME.phase == "train" and self.training
+                and torch.is_grad_enabled()):
+            monitor.on_moe_input(self, hidden_states, RUNTIME.current_step())
+        return original(self, hidden_states, *args, **kwargs)
+
+    return forward
+
+
 def parse_args_wrapper(original):
     """Wrap Megatron-LM's parse_args so its parser also carries our flags."""
 
@@ -94,6 +112,7 @@ def register_all() -> None:
         ("megatron.core.optimizer:get_megatron_optimizer", get_megatron_optimizer_wrapper, False),
         ("megatron.training.training:get_megatron_optimizer", get_megatron_optimizer_wrapper, True),
         ("megatron.core.transformer.moe.router:TopKRouter.routing", router_routing_wrapper, False),
+        ("megatron.core.transformer.moe.moe_layer:MoELayer.forward", moe_forward_wrapper, False),
         ("megatron.training.arguments:parse_args", parse_args_wrapper, True),
         ("megatron.training.initialize:parse_args", parse_args_wrapper, True),
     ]

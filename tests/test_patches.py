@@ -27,7 +27,8 @@ def train_with(mode, tp=1, ep=1, out_dir=None):
 
     if mode != "unpatched":
         config = MonitorConfig(interval=5, delta=2, router_interval=5, output_dir=out_dir or "unused",
-                               sinks=["jsonl"] if out_dir else [])
+                               sinks=["jsonl"] if out_dir else [], expert_features=out_dir is not None,
+                               expert_features_start=3, expert_features_interval=5, expert_features_steps=3)
         patches.apply(config, enable_monitor=mode == "monitor-on")
     init_parallel(tp=tp, ep=ep)
     model_cfg = TinyMoEConfig(num_layers=2, sequence_parallel=tp > 1)
@@ -46,11 +47,13 @@ def train_with(mode, tp=1, ep=1, out_dir=None):
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(ep=2), dict(tp=2)], ids=["1rank", "ep2", "tp2-sp"])
-def test_patches_are_bit_transparent(layout):
+def test_patches_are_bit_transparent(layout, tmp_path):
     ranks = 2 if layout else 1
     unpatched = run_distributed(train_with, ranks, "unpatched", **layout)[0]
     off = run_distributed(train_with, ranks, "patched-off", **layout)[0]
-    on = run_distributed(train_with, ranks, "monitor-on", **layout)[0]
+    # monitor on with every family and the expert-feature collector (steps 3, 8, 13)
+    on = run_distributed(train_with, ranks, "monitor-on", out_dir=str(tmp_path), **layout)[0]
+    assert {"expert_features.npz", "expert_usage.json"} <= set(os.listdir(tmp_path))
     assert off["steps"] == unpatched["steps"]  # bit-identical losses and grad norms
     assert on["steps"] == unpatched["steps"]  # observation only
     assert off["sampled"] is None

@@ -16,6 +16,16 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--mechanism-monitor-interval", type=int, default=None, help="spectral sample interval")
     group.add_argument("--mechanism-monitor-delta", type=int, default=None, help="δ of ΔW = W_t - W_{t-δ}")
     group.add_argument("--mechanism-monitor-output", default=None, help="directory of monitor.jsonl")
+    group.add_argument("--mechanism-monitor-collect-expert-features", action="store_true", default=None,
+                       help="write expert_features.npz and expert_usage.json (per MoE layer: mean output of every "
+                            "expert on every token, tokens routed per expert) for convert_to_proxy.py --features "
+                            "FILE --usage-file FILE (docs/monitor.md)")
+    group.add_argument("--mechanism-monitor-expert-features-start", type=int, default=None, metavar="STEP",
+                       help="first sampled optimizer step of the expert-feature window (default 1)")
+    group.add_argument("--mechanism-monitor-expert-features-interval", type=int, default=None, metavar="N",
+                       help="sample every N-th step in the window (default 1)")
+    group.add_argument("--mechanism-monitor-expert-features-steps", type=int, default=None, metavar="N",
+                       help="number of sampled steps in the window (default 1)")
     group.add_argument("--inject-fault", action="append", default=[], metavar="NAME[:key=value,...]",
                        help="fault injector, repeatable: lowp-attention, lr-spike, small-gbs, router-bf16, "
                             "grad-overflow (see docs/faults.md)")
@@ -30,6 +40,11 @@ def monitor_config_from_args(args: argparse.Namespace, default_output: str = "me
         data["interval"] = args.mechanism_monitor_interval
     if getattr(args, "mechanism_monitor_delta", None) is not None:
         data["delta"] = args.mechanism_monitor_delta
+    for key in ("collect_expert_features", "expert_features_start", "expert_features_interval",
+                "expert_features_steps"):
+        value = getattr(args, f"mechanism_monitor_{key}", None)
+        if value is not None:
+            data[key.replace("collect_", "")] = value
     interval = data.get("interval", MonitorConfig.interval)
     if data.get("delta", MonitorConfig.delta) > interval and getattr(args, "mechanism_monitor_delta", None) is None:
         data["delta"] = interval  # an interval below the default δ brings δ down with it

@@ -55,6 +55,12 @@ class MonitorConfig:
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl, csv, tensorboard, wandb
     log_rank: int = 0  # global rank that writes sinks (all ranks hold identical results)
     per_head_records: bool = True  # JSONL carries per-head QK statistics, not only layer aggregates
+    # expert features for convert_to_proxy.py (--features FILE, --usage-file): every expert applied to every
+    # token of the global batch at the sampled training steps start, start+interval, ... (`steps` of them)
+    expert_features: bool = False
+    expert_features_start: int = 1  # first sampled optimizer step (1-based, Megatron's count)
+    expert_features_interval: int = 1
+    expert_features_steps: int = 1  # sampled steps in the window; written after the last (or at training end)
 
     def __post_init__(self):
         if isinstance(self.detector, dict):
@@ -80,6 +86,10 @@ class MonitorConfig:
                if not isinstance(v, list) or not set(v) <= {"layer", "mean"}}
         if bad:
             raise ValueError(f"detect_scopes: {bad}; expected lists of 'layer' and/or 'mean' per family")
+        if min(self.expert_features_start, self.expert_features_interval, self.expert_features_steps) < 1:
+            raise ValueError("expert_features_start, expert_features_interval and expert_features_steps must be ≥ 1, "
+                             f"got {self.expert_features_start}, {self.expert_features_interval}, "
+                             f"{self.expert_features_steps}")
         bad = [s for s in self.sinks if s not in ("jsonl", "csv", "tensorboard", "wandb")]
         if bad:
             raise ValueError(f"sinks: unknown {bad}; expected jsonl, csv, tensorboard, wandb")
@@ -115,6 +125,16 @@ class MonitorConfig:
     def sample_step(self, step: int) -> bool:
         """Whether the spectral families are sampled after optimizer step `step`."""
         return step % self.interval == 0 and step >= self.delta
+
+    def expert_features_step(self, step: int) -> bool:
+        """Whether the expert-feature collector samples the forward passes of optimizer step `step`."""
+        offset = step - self.expert_features_start
+        return (self.expert_features and offset >= 0 and offset % self.expert_features_interval == 0
+                and offset // self.expert_features_interval < self.expert_features_steps)
+
+    def expert_features_end(self) -> int:
+        """The last sampled step of the expert-feature window (the files are written after it)."""
+        return self.expert_features_start + (self.expert_features_steps - 1) * self.expert_features_interval
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""

@@ -16,6 +16,7 @@ import torch
 from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import STAT_NAMES, MonitorConfig
 from mindspeed_proxy.monitor.detectors import DetectorBank
+from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
 from mindspeed_proxy.monitor.mla_layout import (
     TP_GATHERED,
     attention_terms,
@@ -38,7 +39,7 @@ from mindspeed_proxy.monitor.targets import collect
 
 logger = logging.getLogger(__name__)
 
-STATISTICS = ("router", "attention-spectral", "update-spectral")
+STATISTICS = ("router", "attention-spectral", "update-spectral", "expert-features")
 ROUTER_WEIGHT_KEYS = ("similarity", "conditioning_ratio", "row_norm_mean", "row_norm_max")
 ROUTER_SUMMARY_KEYS = ("entropy", "normalized_entropy", "load_entropy", "normalized_load_entropy",
                        "max_over_mean", "dead_experts", "overload", "margin")
@@ -79,9 +80,12 @@ class MechanismMonitor:
         self.router_detectors = DetectorBank(config=cfg.router_detector)
         self.rl_detectors = DetectorBank(config=cfg.rl_detector, metric_configs=cfg.rl_detector_configs())
         self.snapshots: dict[tuple, torch.Tensor] = {}
-        self.disabled: set[str] = {f for f in STATISTICS if f not in cfg.families}
+        self.disabled: set[str] = {f for f in STATISTICS if f not in cfg.families and f != "expert-features"}
         if self.router_stats is None:
             self.disabled.add("router")
+        self.expert_features = (ExpertFeatureCollector(t.num_layers, t.num_experts, self.model_config.hidden_size,
+                                                       self.groups, self.device)
+                                if t.num_experts and cfg.expert_features else None)  # None: off, not "disabled"
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
@@ -96,8 +100,29 @@ class MechanismMonitor:
             self._take_snapshots()
 
     # ---------------------------------------------------------------- hooks
+    @property
+    def wants_moe_input(self) -> bool:
+        """Whether the MoE-layer input hook has anything to do (the expert-feature collector is on)."""
+        features = self.expert_features
+        return features is not None and not features.written and "expert-features" not in self.disabled
+
+    def on_moe_input(self, module, hidden_states: torch.Tensor, step: int) -> None:
+        """One training forward of a MoE layer at optimizer step `step`: collect expert features when due."""
+        if not self.wants_moe_input or not self.config.expert_features_step(step):
+            return
+        try:
+            self.expert_features.collect(module, hidden_states, step, "expert-features" in self._failures)
+        except Exception:
+            self._fail("expert-features")
+
     def on_router_logits(self, layer_number: int, logits: torch.Tensor, topk_indices=None) -> None:
         """Accumulate one router call: logits [tokens, E] before top-k, selected experts or routing map."""
+        features = self.expert_features
+        if features is not None and features.armed == layer_number and topk_indices is not None:
+            try:
+                features.count_routed(layer_number, topk_indices)
+            except Exception:
+                self._fail("expert-features")
         if "router" in self.disabled or self.router_stats is None:
             return
         try:
@@ -119,8 +144,11 @@ class MechanismMonitor:
                 self._spectral_step(iteration)
             if cfg.snapshot_step(iteration):
                 self._take_snapshots()
-            if (spectral_due or cfg.snapshot_step(iteration)) and not ran:
+            features_due = cfg.expert_features_step(iteration) and self.wants_moe_input
+            if (spectral_due or cfg.snapshot_step(iteration) or features_due) and not ran:
                 self._agree(None)
+            if features_due and iteration == cfg.expert_features_end():
+                self._write_expert_features()
         except Exception:  # last resort: a collective failed; stop everything rather than training
             self._fail("monitor")
             self.disabled.update(STATISTICS)
@@ -449,12 +477,38 @@ class MechanismMonitor:
         self.router_detectors.load_state_dict(state["router_detectors"])
         if "rl_detectors" in state:
             self.rl_detectors.load_state_dict(state["rl_detectors"])
-        self.disabled = set(state["disabled"])
+        # the expert-feature collector follows this run's config, not the saved run's
+        self.disabled = set(state["disabled"]) - {"expert-features"} | (self.disabled & {"expert-features"})
         prev = state.get("prev_load")
         self._prev_load = None if prev is None else torch.tensor(prev, device=self.device)
 
+    def _write_expert_features(self) -> None:
+        """Reduce the collected expert features and write them (collectives on every rank, once)."""
+        features = self.expert_features
+        if features is None or features.written or not features.steps or "expert-features" in self.disabled:
+            return  # the same decision on every rank: steps and the disabled set are agreed
+        self._agree(None)
+        if "expert-features" in self.disabled:
+            return
+        features.written = True
+        reduced = features.reduce(lambda: self._fail("expert-features"))
+        self._agree(None)
+        if "expert-features" in self.disabled or not self.is_logging_rank:
+            return
+        try:
+            self._emit(features.write(self.config.output_dir, reduced))
+        except Exception:
+            self._fail("expert-features")
+            self._report()
+
     def close(self) -> None:
-        """Close the sinks and drop the snapshots."""
+        """Write expert features collected in a window that training cut short; close the sinks, drop snapshots."""
+        if self.expert_features is not None and not self.expert_features.written:
+            try:
+                self._write_expert_features()
+            except Exception:
+                self._fail("expert-features")
+                self._report()
         for sink in self.sinks:
             sink.close()
         self.sinks = []

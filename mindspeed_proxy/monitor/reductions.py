@@ -10,6 +10,9 @@ Rules that keep ranks matched and results identical everywhere:
   every rank of a model replica the full table; data-parallel replicas compute the same values.
 - Router token statistics are summed as Megatron sums its MoE metrics: over TP×CP (tokens are split by
   sequence parallelism / context parallelism), then over DP (which contains EP), then PP for layers.
+- Expert features (every expert on every token): the MoE input is all-gathered over expert-TP×EP (as the
+  allgather dispatcher gathers it), each rank applies its local experts, and the [E, H] sums (rows of the
+  other ranks' experts zero) are summed over expert-TP×EP, then expert-DP (the other tokens), then PP.
 - Failure flags are agreed over the whole world (MAX), so a statistic is disabled on all ranks at once.
 """
 from __future__ import annotations
@@ -40,6 +43,8 @@ class MonitorGroups:
     dp_rank: int = 0
     cp_rank: int = 0
     global_rank: int = 0
+    etp_ep: Any = None  # expert-tensor × expert-model parallel group (the allgather dispatcher's tokens)
+    edp: Any = None  # expert data-parallel group (same experts, other tokens)
 
     @classmethod
     def from_parallel_state(cls) -> "MonitorGroups":
@@ -62,6 +67,8 @@ class MonitorGroups:
             dp_rank=ps.get_data_parallel_rank(),
             cp_rank=ps.get_context_parallel_rank(),
             global_rank=dist.get_rank(),
+            etp_ep=ps.get_expert_tensor_and_model_parallel_group(),
+            edp=ps.get_expert_data_parallel_group(),
         )
 
     @property
@@ -112,6 +119,23 @@ def gather_tp(weight: torch.Tensor, groups: MonitorGroups) -> torch.Tensor:
     parts = [torch.empty_like(weight) for _ in range(groups.tp_size)]
     dist.all_gather(parts, weight.contiguous(), group=groups.tp)
     return torch.cat(parts, dim=0)
+
+
+def gather_expert_tokens(tokens: torch.Tensor, groups: MonitorGroups) -> torch.Tensor:
+    """All-gather [T, H] MoE-layer inputs over expert-TP×EP (equal T on every rank, as the dispatcher needs)."""
+    group = groups.etp_ep
+    if not _active() or group is None or dist.get_world_size(group) == 1:
+        return tokens
+    parts = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tokens.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def reduce_expert_sums(table: torch.Tensor, groups: MonitorGroups) -> torch.Tensor:
+    """Sum an [E, H] table of per-expert output sums over expert-TP×EP, expert-DP and PP (in place)."""
+    for group in (groups.etp_ep, groups.edp, groups.pp):
+        _sum(table, group)
+    return table
 
 
 def agree_on_failures(flags: torch.Tensor, groups: MonitorGroups) -> torch.Tensor:

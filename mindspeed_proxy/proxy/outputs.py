@@ -135,7 +135,7 @@ def _load(model, ckpt) -> None:
                               f"args ({first[0] if first else exc}); pass --features FILE") from None
 
 
-def _expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E, H] float64: sum over the rows of x of every expert's output."""
     hidden = x.shape[-1]
     rows = max(1, CHUNK_ELEMENTS // (num_experts * hidden))
@@ -167,7 +167,7 @@ class _Collector:
     def _pre(self, g: int, num_experts: int):
         def _hook(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            self.sums[g] += _expert_sums(module.experts, x, num_experts)
+            self.sums[g] += expert_sums(module.experts, x, num_experts)
         return _hook
 
     def _routed(self, g: int):
