@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.experiments import Matrix, Progress, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ def _records(work: Path) -> list[dict]:
 def _weights(work: Path) -> dict:
     out = {}
     for path in sorted((work / "warmup" / "ckpt").rglob("*.pt")):
-        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        state = safe_torch_load(str(path))["model"]
         out.update({f"{path.parent.name}/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
     return out
 

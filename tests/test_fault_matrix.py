@@ -22,7 +22,7 @@ GRID = "original:none,original:lowp-attention,proxy:lowp-attention"
 def test_quick_matrix_alerts_on_the_faulted_pair_and_not_on_the_healthy_run(tmp_path):
     doc = tmp_path / "fm.md"
     cmd = [sys.executable, str(REPO / "examples" / "experiments" / "fault_matrix.py"), "--quick", "--grid", GRID,
-           "--no-e4", "--work-dir", str(tmp_path / "work"), "--doc", str(doc), "--iters", "170"]
+           "--no-e4", "--work-dir", str(tmp_path / "work"), "--doc", str(doc), "--iters", "150", "--warmup-iters", "100"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
