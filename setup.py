@@ -24,7 +24,8 @@ setup(
         "psutil",  # megatron dist_checkpointing imports it
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "pyyaml", "scipy", "scikit-learn"],
+        # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn"],
         "report": ["matplotlib"],
         "npu": ["torch_npu"],
         "proxy": ["scipy", "scikit-learn", "tqdm"],
