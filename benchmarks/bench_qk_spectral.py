@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from mindspeed_proxy.monitor.spectral import qk_increment_singular_values, qk_increment_spectra, spectral_stats
+from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.spectral import (_eigvalsh, _psd_factor, qk_increment_singular_values,
+                                              qk_increment_spectra, spectral_stats)
 
 TARGET_RATIO = 1000.0
 TARGET_ERROR = 1e-4
@@ -102,6 +104,31 @@ def relative_spectrum_error(sv, ref, d):
     return ((sv.double() - ref).abs() / ref.clamp_min(1e-300))[keep].max().item()
 
 
+def profile_head(wq, wk, wq_new, wk_new, device, repeats):
+    """Print the best CPU time of each stage of one head's Gram core (query + key factor together)."""
+    rows = [x.mT.contiguous() for x in (wq, wk, wq_new, wk_new)]
+    diffs = [rows[2] - rows[0], rows[3] - rows[1]]
+    query, key = factor_blocks(wq, wq_new), factor_blocks(wk, wk_new)
+    g_a, g_b = term_grams(query, key, "delta2")
+    eps = torch.finfo(torch.float32).eps
+    factor = _psd_factor(g_a, eps)
+    core = factor.mT @ g_b @ factor
+    stages = {
+        "ΔW differences (q, k)": lambda: (rows[2] - rows[0], rows[3] - rows[1]),
+        "ΔᵀΔ syrk (q, k)": lambda: [rows_gram(x) for x in diffs],
+        "WᵀΔ GEMM (q, k)": lambda: [r @ x.mT for r, x in zip(rows[:2], diffs)],
+        "WᵀW syrk (q, k; cold only)": lambda: [rows_gram(r) for r in rows[:2]],
+        "assemble 2h×2h Grams": lambda: term_grams(query, key, "delta2"),
+        "Cholesky of G_A (float64)": lambda: _psd_factor(g_a, eps),
+        "core Fᵀ G_B F (float64)": lambda: factor.mT @ g_b @ factor,
+        "eigvalsh 2h×2h (float64)": lambda: _eigvalsh(core),
+    }
+    times = round_robin(stages, device, repeats)
+    print("\nprofile of one head (best process CPU time over the runs):")
+    for name, (_, _, cpu) in times.items():
+        print(f"  {name:<28} {cpu * 1e3:8.3f} ms")
+
+
 def make_layer(heads, d, h, device, seed=0):
     """Per-head [heads, d, h] blocks viewed from [heads·h, d] weights, as they sit in Megatron's linear_qkv."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -131,6 +158,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 avoids OpenMP stalls on a shared, oversubscribed machine)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats of the compressed timings (best of)")
+    parser.add_argument("--profile", action="store_true", help="also print the per-stage CPU time of one head")
     parser.add_argument("--kv-groups", type=int, default=None, help="KV groups of the GQA row (default heads/4; 0: skip)")
     args = parser.parse_args(argv)
 
@@ -248,6 +276,8 @@ def main(argv=None):
         print(f"GQA: shared key Gram vs one key copy per head, max |Δσ|/σ_max {spectrum_error(sv_gqa, expanded):.1e}")
     print(f"Δ2 entropy head 0: {ent_one.item():.6f} (single) {ent_layer[0].item():.6f} (batched); "
           f"max |single − batched| spectrum diff {spectrum_error(sv_one, sv_layer[0]):.1e}")
+    if args.profile:
+        profile_head(*one, device, args.repeats)
     print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs)")
 
