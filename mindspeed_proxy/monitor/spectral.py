@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
@@ -149,14 +148,7 @@ def _gram_core_singular_values(gram_a: torch.Tensor, gram_b: torch.Tensor, gram_
     """σ(A·Bᵀ) descending from G_A = AᵀA, G_B = BᵀB: σ² = eig(Fᵀ G_B F) with F·Fᵀ = G_A (leading dims broadcast)."""
     f = _psd_factor(gram_a, gram_eps)
     core = f.mT @ gram_b @ f
-    return _eigvalsh(core).clamp_min(0).sqrt().flip(-1)
-
-
-def _eigvalsh(x: torch.Tensor) -> torch.Tensor:
-    """Ascending eigenvalues of symmetric [..., m, m]; finite CPU input through numpy's LAPACK (faster here than MKL's)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and bool(torch.isfinite(x).all()):
-        return torch.from_numpy(np.linalg.eigvalsh(x.numpy()))
-    return torch.linalg.eigvalsh(x)
+    return torch.linalg.eigvalsh(core).clamp_min(0).sqrt().flip(-1)
 
 
 def _resolve_method(method: str, dtype: torch.dtype) -> str:
