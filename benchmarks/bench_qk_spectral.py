@@ -8,6 +8,11 @@ All paths run on the same fp32 inputs in the same process. The reference is a fl
 shared; the load average is printed). The layer is MHA (one key block per head); the GQA row times the
 same 32 query heads with `--kv-groups` shared key blocks, whose Gram the core computes once per group.
 
+The Gram core is timed twice. "cold": a first sample (or one after a snapshot retake, a load, or every
+`qk_gram_reuse` samples) computes all Gram blocks. "steady": a sample whose old blocks are the previous
+sample's new ones (the monitor with δ = interval) gets their Gram WᵀW from that sample, so its time
+excludes the WᵀW products; the reused Gram passed in here is the exact one of the old blocks.
+
 Spectrum relative error (the accuracy target) = max_i |σ_i − σ_ref,i| / σ_ref,i over the reference
 values above the rank tolerance that `spectral_stats` applies to fp32 spectra (σ > max(2h, d)·eps_fp32·σ_max),
 over the timed dense heads; the relative error of the spectral entropy H (α = 2) is reported beside it,
@@ -21,7 +26,9 @@ import time
 
 import torch
 
-from mindspeed_proxy.monitor.spectral import qk_increment_singular_values, spectral_stats
+from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.spectral import (_psd_factor, qk_increment_singular_values, qk_increment_spectra,
+                                              spectral_stats)
 
 TARGET_RATIO = 1000.0
 TARGET_ERROR = 1e-4
@@ -34,17 +41,27 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, device, repeats=1, warmup=0):
-    """Return (result, best seconds over `repeats` runs after `warmup` untimed runs)."""
+    """Return (result, best wall seconds, best CPU seconds of this process) over `repeats` runs after `warmup`."""
+    return round_robin({"fn": fn}, device, repeats, warmup)["fn"]
+
+
+def round_robin(fns: dict, device, repeats=1, warmup=1):
+    """`timed` for several functions, run in turn so that they see the same load; {name: (result, wall, cpu)}."""
     for _ in range(warmup):
-        fn()
-    times, result = [], None
+        for fn in fns.values():
+            fn()
+    best = {name: [None, float("inf"), float("inf")] for name in fns}
     for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        result = fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return result, min(times)
+        for name, fn in fns.items():
+            sync(device)
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = fn()
+            sync(device)
+            entry = best[name]
+            entry[0] = result
+            entry[1] = min(entry[1], time.perf_counter() - wall)
+            entry[2] = min(entry[2], time.process_time() - cpu)
+    return {name: tuple(v) for name, v in best.items()}
 
 
 def dense_delta2(wq, wk, wq_new, wk_new):
@@ -60,10 +77,18 @@ def dense_spectrum(wq, wk, wq_new, wk_new, method):
     return torch.linalg.eigvalsh(delta.mT @ delta).clamp_min(0).sqrt().flip(-1)
 
 
-def compressed_entropy(wq, wk, wq_new, wk_new, d, method="gram"):
-    """Δ2 singular values by the compressed core (`method`) and their spectral entropy."""
-    sv = qk_increment_singular_values(wq, wk, wq_new, wk_new, term="delta2", method=method)
+def compressed_entropy(wq, wk, wq_new, wk_new, d, method="gram", old_grams=None):
+    """Δ2 singular values by the compressed core (`method`; "gram" may reuse `old_grams`) and their entropy."""
+    if method == "gram":
+        sv = qk_increment_spectra(wq, wk, wq_new, wk_new, ("delta2",), old_grams)[0]["delta2"]
+    else:
+        sv = qk_increment_singular_values(wq, wk, wq_new, wk_new, term="delta2", method=method)
     return sv, spectral_stats(sv, matrix_dim=d)["entropy"]
+
+
+def snapshot_grams(wq, wk):
+    """The Grams (WqᵀWq, WkᵀWk) of the old blocks, as the previous sample hands them on."""
+    return qk_increment_spectra(wq, wk, wq, wk, ("delta3",))[1]
 
 
 def spectrum_error(sv, ref):
@@ -77,6 +102,31 @@ def relative_spectrum_error(sv, ref, d):
     ref = ref[..., : sv.shape[-1]].double()
     keep = ref > max(ref.shape[-1], d) * torch.finfo(torch.float32).eps * ref[..., :1]
     return ((sv.double() - ref).abs() / ref.clamp_min(1e-300))[keep].max().item()
+
+
+def profile_head(wq, wk, wq_new, wk_new, device, repeats):
+    """Print the best CPU time of each stage of one head's Gram core (query + key factor together)."""
+    rows = [x.mT.contiguous() for x in (wq, wk, wq_new, wk_new)]
+    diffs = [rows[2] - rows[0], rows[3] - rows[1]]
+    query, key = factor_blocks(wq, wq_new), factor_blocks(wk, wk_new)
+    g_a, g_b = term_grams(query, key, "delta2")
+    eps = torch.finfo(torch.float32).eps
+    factor = _psd_factor(g_a, eps)
+    core = factor.mT @ g_b @ factor
+    stages = {
+        "ΔW differences (q, k)": lambda: (rows[2] - rows[0], rows[3] - rows[1]),
+        "ΔᵀΔ syrk (q, k)": lambda: [rows_gram(x) for x in diffs],
+        "WᵀΔ GEMM (q, k)": lambda: [r @ x.mT for r, x in zip(rows[:2], diffs)],
+        "WᵀW syrk (q, k; cold only)": lambda: [rows_gram(r) for r in rows[:2]],
+        "assemble 2h×2h Grams": lambda: term_grams(query, key, "delta2"),
+        "Cholesky of G_A (float64)": lambda: _psd_factor(g_a, eps),
+        "core Fᵀ G_B F (float64)": lambda: factor.mT @ g_b @ factor,
+        "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core),
+    }
+    times = round_robin(stages, device, repeats)
+    print("\nprofile of one head (best process CPU time over the runs):")
+    for name, (_, _, cpu) in times.items():
+        print(f"  {name:<28} {cpu * 1e3:8.3f} ms")
 
 
 def make_layer(heads, d, h, device, seed=0):
@@ -108,6 +158,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 avoids OpenMP stalls on a shared, oversubscribed machine)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats of the compressed timings (best of)")
+    parser.add_argument("--profile", action="store_true", help="also print the per-stage CPU time of one head")
     parser.add_argument("--kv-groups", type=int, default=None, help="KV groups of the GQA row (default heads/4; 0: skip)")
     args = parser.parse_args(argv)
 
@@ -129,23 +180,32 @@ def main(argv=None):
     layer = (wq, wk, wq_new, wk_new)
     layer_repeats = max(1, args.repeats // 2)
 
-    (sv_one, ent_one), t_comp_head = timed(lambda: compressed_entropy(*one, d), device, args.repeats, warmup=1)
-    (sv_layer, ent_layer), t_comp_layer = timed(lambda: compressed_entropy(*layer, d), device, layer_repeats, warmup=1)
-    (sv_qr, _), t_qr_head = timed(lambda: compressed_entropy(*one, d, "qr"), device, args.repeats, warmup=1)
-    _, t_qr_layer = timed(lambda: compressed_entropy(*layer, d, "qr"), device, layer_repeats, warmup=1)
     groups = heads // 4 if args.kv_groups is None else args.kv_groups
     groups = groups if 0 < groups < heads and heads % groups == 0 else 0
+    grams_one, grams_layer = snapshot_grams(*one[:2]), snapshot_grams(*layer[:2])
+    t_head = round_robin({"cold": lambda: compressed_entropy(*one, d),
+                          "steady": lambda: compressed_entropy(*one, d, old_grams=grams_one),
+                          "qr": lambda: compressed_entropy(*one, d, "qr")}, device, args.repeats)
+    layer_fns = {"cold": lambda: compressed_entropy(*layer, d),
+                 "steady": lambda: compressed_entropy(*layer, d, old_grams=grams_layer),
+                 "qr": lambda: compressed_entropy(*layer, d, "qr")}
     if groups:  # the same query heads, one key block per group of heads // groups consecutive heads
         gq = [t.unflatten(0, (groups, heads // groups)) for t in (wq, wq_new)]
         gk = [t.unflatten(0, (groups, heads // groups))[:, :1] for t in (wk, wk_new)]
         gqa = (gq[0], gk[0], gq[1], gk[1])
-        (sv_gqa, _), t_comp_gqa = timed(lambda: compressed_entropy(*gqa, d), device, layer_repeats, warmup=1)
+        grams_gqa = snapshot_grams(*gqa[:2])
+        layer_fns["gqa cold"] = lambda: compressed_entropy(*gqa, d)
+        layer_fns["gqa steady"] = lambda: compressed_entropy(*gqa, d, old_grams=grams_gqa)
+    t_layer = round_robin(layer_fns, device, layer_repeats)
+    (sv_one, ent_one), (sv_qr, _) = t_head["cold"][0], t_head["qr"][0]
+    (sv_layer, ent_layer), (sv_steady, _) = t_layer["cold"][0], t_layer["steady"][0]
 
-    dense_times, dense_errors, comp_abs, comp_rel, qr_rel, dense_rel, dense_ent_err, comp_ent_err = ([] for _ in range(8))
+    dense_times, dense_errors, comp_abs, comp_rel, qr_rel, dense_rel, dense_ent_err, comp_ent_err, steady_rel = (
+        [] for _ in range(9))
     for i in range(dense_heads):
         blocks = [t[i] for t in layer]
-        sv_dense, t_dense = timed(lambda: dense_spectrum(*blocks, args.dense_method), device)
-        dense_times.append(t_dense)
+        sv_dense, t_dense, cpu_dense = timed(lambda: dense_spectrum(*blocks, args.dense_method), device)
+        dense_times.append((t_dense, cpu_dense))
         ref = torch.linalg.svdvals(dense_delta2(*[b.double() for b in blocks]))
         ent_ref = spectral_stats(ref[: 2 * h], matrix_dim=d)["entropy"].item()
         ent_dense = spectral_stats(sv_dense, matrix_dim=d)["entropy"].item()
@@ -153,59 +213,74 @@ def main(argv=None):
         dense_rel.append(relative_spectrum_error(sv_dense[: 2 * h], ref, d))
         comp_abs.append(spectrum_error(sv_layer[i], ref))
         comp_rel.append(relative_spectrum_error(sv_layer[i], ref, d))
+        steady_rel.append(relative_spectrum_error(sv_steady[i], ref, d))
         if i == 0:
             qr_rel.append(relative_spectrum_error(sv_qr, ref, d))
         dense_ent_err.append(abs(ent_dense - ent_ref) / ent_ref)
         comp_ent_err.append(abs(ent_layer[i].item() - ent_ref) / ent_ref)
-    t_dense_head = min(dense_times)
+    t_dense_head, cpu_dense_head = min(t for t, _ in dense_times), min(c for _, c in dense_times)
     t_dense_layer = t_dense_head * heads
 
     sv64 = qk_increment_singular_values(*[t.double() for t in layer], method="qr")
     layer_core_err = relative_spectrum_error(sv_layer, sv64, d)
     extrapolated = f"EXTRAPOLATED: {dense_heads} heads timed × {heads}/{dense_heads}" if dense_heads < heads else "timed"
 
-    rows = [
-        ("1 head", "Gram core", t_comp_head, f"best of {args.repeats}"),
-        ("1 head", "thin-QR core (before)", t_qr_head, f"best of {args.repeats}"),
-        ("1 head", f"dense {args.dense_method}", t_dense_head, f"best of {dense_heads} heads, 1 run each"),
-        (f"{heads}-head layer", "Gram core (batched)", t_comp_layer, f"best of {layer_repeats}"),
-        (f"{heads}-head layer", "thin-QR core (before)", t_qr_layer, f"best of {layer_repeats}"),
-        (f"{heads}-head layer", f"dense {args.dense_method}", t_dense_layer, extrapolated),
-    ]
+    rows = [("1 head", name, t_head[key][1], t_head[key][2], f"best of {args.repeats}") for key, name in
+            (("cold", "Gram core, cold"), ("steady", "Gram core, steady"), ("qr", "thin-QR core (before)"))]
+    rows.append(("1 head", f"dense {args.dense_method}", t_dense_head, cpu_dense_head,
+                 f"best of {dense_heads} heads, 1 run each"))
+    rows += [(f"{heads}-head layer", name, t_layer[key][1], t_layer[key][2], f"best of {layer_repeats}") for key, name in
+             (("cold", "Gram core, cold"), ("steady", "Gram core, steady"), ("qr", "thin-QR core (before)"))]
+    rows.append((f"{heads}-head layer", f"dense {args.dense_method}", t_dense_layer, cpu_dense_head * heads,
+                 extrapolated))
     if groups:
-        rows.append((f"{heads}h/{groups}kv GQA", "Gram core (key Gram/group)", t_comp_gqa, f"best of {layer_repeats}"))
+        rows += [(f"{heads}h/{groups}kv GQA", f"Gram core, {key[4:]}", t_layer[key][1], t_layer[key][2],
+                  f"best of {layer_repeats}") for key in ("gqa cold", "gqa steady")]
     print()
-    print(f"{'case':<16} {'method':<28} {'time [s]':>10}  note")
-    for case, method, seconds, note in rows:
-        print(f"{case:<16} {method:<28} {seconds:>10.4f}  {note}")
-    ratio_head = t_dense_head / t_comp_head
-    ratio_layer = t_dense_layer / t_comp_layer
+    print(f"{'case':<16} {'method':<24} {'wall [s]':>10} {'CPU [s]':>10}  note")
+    for case, method, seconds, cpu, note in rows:
+        print(f"{case:<16} {method:<24} {seconds:>10.4f} {cpu:>10.4f}  {note}")
     max_rel = max(comp_rel)
     max_ent = max(comp_ent_err)
     print()
     if args.quick:
         print("(--quick: small sizes; the targets below are meant for d=4096, h=128)")
-    print(f"speed ratio, 1 head:       {ratio_head:10.1f}x  (target >= {TARGET_RATIO:.0f}x) "
-          f"{'PASS' if ratio_head >= TARGET_RATIO else 'FAIL'}   thin-QR core: {t_dense_head / t_qr_head:.1f}x")
-    print(f"speed ratio, {heads}-head layer: {ratio_layer:7.1f}x  (target >= {TARGET_RATIO:.0f}x) "
-          f"{'PASS' if ratio_layer >= TARGET_RATIO else 'FAIL'}   thin-QR core: {t_dense_layer / t_qr_layer:.1f}x")
+
+    def verdict(ratio):
+        """The ratio against the target."""
+        return f"{ratio:8.1f}x  {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} (target >= {TARGET_RATIO:.0f}x)"
+
+    ratios = [("1 head", t_head, 1), (f"{heads}-head layer", t_layer, heads)]
     if groups:
-        print(f"speed ratio, {heads}-head GQA layer ({groups} KV groups): {t_dense_layer / t_comp_gqa:.1f}x "
-              f"(dense per head as above)")
+        gqa_times = {k[4:]: v for k, v in t_layer.items() if k.startswith("gqa ")}
+        ratios.append((f"{heads}-head GQA ({groups} KV)", gqa_times, heads))
+    print("speed ratio = dense / Gram core, wall clock (CPU time of this process in brackets):")
+    for case, times, n in ratios:
+        print(f"  {case:<22} cold {verdict(t_dense_head * n / times['cold'][1])} "
+              f"[{cpu_dense_head * n / times['cold'][2]:.0f}x]   "
+              f"steady {verdict(t_dense_head * n / times['steady'][1])} [{cpu_dense_head * n / times['steady'][2]:.0f}x]")
+    print(f"  thin-QR core (before): 1 head {t_dense_head / t_head['qr'][1]:.1f}x, "
+          f"layer {t_dense_layer / t_layer['qr'][1]:.1f}x")
     print(f"spectrum rel. error vs float64 dense SVD ({dense_heads} heads), max |Δσ_i|/σ_i above the rank tolerance:")
-    print(f"  Gram core fp32: {max_rel:.2e}  entropy {max_ent:.2e}  (target <= {TARGET_ERROR:.0e}) "
+    print(f"  Gram core fp32, cold: {max_rel:.2e}  entropy {max_ent:.2e}  (target <= {TARGET_ERROR:.0e}) "
           f"{'PASS' if max(max_rel, max_ent) <= TARGET_ERROR else 'FAIL'}")
+    print(f"  Gram core fp32, steady: {max(steady_rel):.2e}  (target <= {TARGET_ERROR:.0e}) "
+          f"{'PASS' if max(steady_rel) <= TARGET_ERROR else 'FAIL'}")
     print(f"  thin-QR fp32:   {max(qr_rel):.2e} (head 0);  dense fp32: {max(dense_rel):.2e}  "
           f"entropy {max(dense_ent_err):.2e}")
     print(f"  max |Δσ|/σ_max: Gram {max(comp_abs):.2e}, dense {max(dense_errors):.2e}")
     print(f"all {heads} heads, Gram fp32 vs float64 thin-QR core: {layer_core_err:.2e}")
     if groups:
         expanded = qk_increment_singular_values(gqa[0], gqa[1].expand_as(gqa[0]), gqa[2], gqa[3].expand_as(gqa[2]))
+        sv_gqa = t_layer["gqa cold"][0][0]
         print(f"GQA: shared key Gram vs one key copy per head, max |Δσ|/σ_max {spectrum_error(sv_gqa, expanded):.1e}")
     print(f"Δ2 entropy head 0: {ent_one.item():.6f} (single) {ent_layer[0].item():.6f} (batched); "
           f"max |single − batched| spectrum diff {spectrum_error(sv_one, sv_layer[0]):.1e}")
+    if args.profile:
+        profile_head(*one, device, args.repeats)
     print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs)")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, win
 from mindspeed_proxy.monitor.spectral import (
     lowrank_product_singular_values,
     qk_increment_singular_values,
+    qk_increment_spectra,
     spectral_stats,
     update_singular_values,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "SeriesDetector",
     "lowrank_product_singular_values",
     "qk_increment_singular_values",
+    "qk_increment_spectra",
     "router_weight_stats",
     "spectral_stats",
     "update_singular_values",

@@ -26,6 +26,9 @@ class MonitorConfig:
     layers: Optional[list[int]] = None  # 0-based global layer indices; None = all
     heads: Optional[list[int]] = None  # global query-head indices for the QK monitor; None = all
     qk_terms: list[str] = field(default_factory=lambda: ["delta2"])
+    # samples in a row that reuse the previous sample's Gram of the snapshot's q/k blocks (δ = interval only:
+    # the snapshot is then the weights just sampled) before one is recomputed exactly; 0 always recomputes
+    qk_gram_reuse: int = 16
     update_matrices: list[str] = field(default_factory=lambda: list(UPDATE_MATRICES))
     experts_per_layer: int = 2  # ΔW of this many experts per MoE layer, spread over global ids
     snapshot_on_cpu: bool = False
@@ -74,6 +77,8 @@ class MonitorConfig:
         if self.interval < 1 or not 1 <= self.delta <= self.interval:
             raise ValueError(f"need interval ≥ 1 and 1 ≤ delta ≤ interval, got interval={self.interval}, "
                              f"delta={self.delta}")
+        if self.qk_gram_reuse < 0:
+            raise ValueError(f"qk_gram_reuse must be ≥ 0, got {self.qk_gram_reuse}")
         if self.router_interval < 1:
             raise ValueError(f"router_interval must be ≥ 1, got {self.router_interval}")
         bad = [t for t in self.qk_terms if t not in ("delta1", "delta2", "delta3")]

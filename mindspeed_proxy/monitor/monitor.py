@@ -30,7 +30,7 @@ from mindspeed_proxy.monitor.qk_layout import group_shared_keys, layernorm_scale
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
 from mindspeed_proxy.monitor.spectral import (
-    qk_increment_singular_values,
+    qk_increment_spectra,
     singular_values_from_gram,
     spectral_stats,
     update_gram,
@@ -80,6 +80,9 @@ class MechanismMonitor:
         self.router_detectors = DetectorBank(config=cfg.router_detector)
         self.rl_detectors = DetectorBank(config=cfg.rl_detector, metric_configs=cfg.rl_detector_configs())
         self.snapshots: dict[tuple, torch.Tensor] = {}
+        # per layer: ((Wq'ᵀWq', Wk'ᵀWk'), reuses so far) of the weights the current snapshot holds
+        self._qk_grams: dict[int, tuple] = {}
+        self._qk_pending: dict[int, tuple] = {}
         self.disabled: set[str] = {f for f in STATISTICS if f not in cfg.families and f != "expert-features"}
         if self.router_stats is None:
             self.disabled.add("router")
@@ -141,9 +144,12 @@ class MechanismMonitor:
                 ran = True
             spectral_due = cfg.sample_step(iteration) and not {"attention-spectral", "update-spectral"} <= self.disabled
             if spectral_due:
+                self._qk_pending = {}
                 self._spectral_step(iteration)
             if cfg.snapshot_step(iteration):
                 self._take_snapshots()
+                if spectral_due:  # δ = interval: the new snapshot holds the weights just sampled
+                    self._qk_grams = self._qk_pending
             features_due = cfg.expert_features_step(iteration) and self.wants_moe_input
             if (spectral_due or cfg.snapshot_step(iteration) or features_due) and not ran:
                 self._agree(None)
@@ -232,6 +238,7 @@ class MechanismMonitor:
 
     # ---------------------------------------------------------------- spectral families
     def _take_snapshots(self) -> None:
+        self._qk_grams = {}  # Grams of the previous snapshot's blocks; after_optimizer_step may set new ones
         target_device = torch.device("cpu") if self.config.snapshot_on_cpu else None
         for w in self.targets.weights:
             self.snapshots[("w", w.layer, w.slot)] = w.read().detach().to(device=target_device,
@@ -354,8 +361,12 @@ class MechanismMonitor:
                 blocks = (wq_old, wk_old, wq_new, wk_new)
                 if heads_filter is None:  # GQA: one key block (and key Gram) per group
                     blocks = group_shared_keys(*blocks, layout)
+                cached = self._qk_grams.get(a.layer)
+                reuse = cached is not None and cached[1] < self.config.qk_gram_reuse
+                sigmas, grams = qk_increment_spectra(*blocks, terms, cached[0] if reuse else None)
+                self._qk_pending[a.layer] = (grams, cached[1] + 1 if reuse else 0)
                 for ti, term in enumerate(terms):
-                    sigma = qk_increment_singular_values(*blocks, term=term).flatten(0, -2)
+                    sigma = sigmas[term].flatten(0, -2)
                     table[a.layer, heads, ti, :NSTAT] = _stats_vector(sigma, weight.shape[-1])
                     table[a.layer, heads, ti, NSTAT] = 1.0
             except Exception:

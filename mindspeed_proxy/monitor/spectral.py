@@ -9,10 +9,11 @@ from typing import Optional, Union
 
 import torch
 
+from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+
 TERMS = ("delta1", "delta2", "delta3")
 PARALLEL_MODES = (None, "column", "row")
 METHODS = ("auto", "gram", "qr")
-GRAM_CHUNK_ELEMENTS = 1 << 21  # d·h elements per Gram chunk (four 4096×128 heads)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -120,16 +121,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return r if r.is_contiguous() else r.contiguous()
 
 
-def _block_gram(blocks: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """Gram AᵀA [..., m, m] of A = [blocks] (each [..., d, h_i]) without concatenating A, cast to `dtype`."""
-    rows = [_rows(x) for x in blocks]
-    if len(rows) == 1:
-        return (rows[0] @ rows[0].mT).to(dtype)
-    x, y = rows
-    g11, g12, g22 = torch.broadcast_tensors(x @ x.mT, x @ y.mT, y @ y.mT)
-    return torch.cat([torch.cat([g11, g12], -1), torch.cat([g12.mT, g22], -1)], -2).to(dtype)
-
-
 def _psd_factor(gram: torch.Tensor, gram_eps: float) -> torch.Tensor:
     """F with F·Fᵀ = gram [..., m, m] (positive semidefinite), jitter-free.
 
@@ -173,36 +164,13 @@ def _pad(sv: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _direct_singular_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # d < m: the d×d product itself is the smaller problem.
-    return _pad(torch.linalg.svdvals(a @ b.mT), a.shape[-1])
+    # d < m: the d×d product itself is the smaller problem (rank ≤ m: m values, zero-padded).
+    m = a.shape[-1]
+    return _pad(torch.linalg.svdvals(a @ b.mT)[..., :m], m)
 
 
-def _chunked_gram(blocks_fn, tensors: tuple, small: torch.dtype) -> torch.Tensor:
-    """Gram of the factor `blocks_fn(*tensors)` ([..., d, h] inputs), a few heads at a time, in `small`.
-
-    Chunking keeps each chunk's differences and GEMM operands cache-sized: batching whole layers
-    at once was slower per head than one head at a time on CPU.
-    """
-    batch = torch.broadcast_shapes(*(t.shape[:-2] for t in tensors))
-    flat = [t.expand(batch + t.shape[-2:]).reshape((-1,) + t.shape[-2:]) for t in tensors]
-    n, (d, h) = flat[0].shape[0], flat[0].shape[-2:]
-    step = max(1, GRAM_CHUNK_ELEMENTS // (d * h))
-    grams = [_block_gram(blocks_fn(*(t[i:i + step] for t in flat)), small) for i in range(0, n, step)]
-    gram = grams[0] if len(grams) == 1 else torch.cat(grams)
-    return gram.reshape(batch + gram.shape[-2:])
-
-
-def _gram_singular_values(blocks_a, blocks_b, tensors_a: tuple, tensors_b: tuple, m: int,
-                          dtype: torch.dtype) -> torch.Tensor:
-    """σ(A·Bᵀ) by the Gram core, A = blocks_a(*tensors_a), B = blocks_b(*tensors_b) ([..., d, m], from column blocks)."""
-    first = tensors_a[0]
-    if first.shape[-2] < m:
-        cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
-        return _direct_singular_values(cat(blocks_a(*tensors_a)), cat(blocks_b(*tensors_b)))
-    small = torch.float32 if first.device.type == "mps" else torch.float64  # the m×m problem
-    g_a = _chunked_gram(blocks_a, tensors_a, small)
-    g_b = _chunked_gram(blocks_b, tensors_b, small)
-    return _gram_core_singular_values(g_a, g_b, torch.finfo(dtype).eps).to(dtype)
+def _small_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.device.type == "mps" else torch.float64  # the m×m problem
 
 
 @torch.no_grad()
@@ -216,9 +184,13 @@ def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: st
     ~eps (3× slower on CPU). "auto": "qr" for float64 inputs (reference precision), else "gram".
     Leading dims broadcast. When d < m the d×d product gives d values and the rest are zero-padded.
     """
-    m = a.shape[-1]
-    if _resolve_method(method, compute_dtype(a, b)) == "gram":
-        return _gram_singular_values(lambda x: (x,), lambda x: (x,), (a,), (b,), m, compute_dtype(a, b))
+    m, dtype = a.shape[-1], compute_dtype(a, b)
+    if _resolve_method(method, dtype) == "gram":
+        a, b = a.to(dtype), b.to(dtype)
+        if a.shape[-2] < m:
+            return _direct_singular_values(a, b)
+        g_a, g_b = (rows_gram(_rows(x)).to(_small_dtype(x)) for x in (a, b))
+        return _gram_core_singular_values(g_a, g_b, torch.finfo(dtype).eps).to(dtype)
     r_a = torch.linalg.qr(a, mode="r").R
     r_b = torch.linalg.qr(b, mode="r").R
     return _pad(torch.linalg.svdvals(r_a @ r_b.mT), m)
@@ -241,20 +213,55 @@ def qk_increment_singular_values(
     upcast before the differences are taken). Query and key leading dims broadcast, so under GQA
     the key blocks may carry a size-1 dim where several query heads share one KV group: with
     method "gram" (the default below float64, see `lowrank_product_singular_values`) that group's
-    key Gram is then computed once. The Gram blocks are built from the h-column blocks directly.
+    key Gram is then computed once. The Gram blocks are built from the h-column blocks directly
+    (`qk_increment_spectra`, which also serves several terms and reuses a previous sample's Gram).
     """
     if term not in TERMS:
         raise ValueError(f"term must be one of {TERMS}, got {term!r}")
     dtype = compute_dtype(wq_old, wk_old, wq_new, wk_new)
+    if _resolve_method(method, dtype) == "gram":
+        return qk_increment_spectra(wq_old, wk_old, wq_new, wk_new, (term,))[0][term]
     q = (wq_old.to(dtype), wq_new.to(dtype))
     k = (wk_old.to(dtype), wk_new.to(dtype))
-    q_blocks = (lambda old, new: _query_blocks(old, new, term))
-    k_blocks = (lambda old, new: _key_blocks(old, new, term))
-    if _resolve_method(method, dtype) == "gram":
-        width = wq_old.shape[-1] * (1 if term == "delta3" else 2)
-        return _gram_singular_values(q_blocks, k_blocks, q, k, width, dtype)
     cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
-    return lowrank_product_singular_values(cat(q_blocks(*q)), cat(k_blocks(*k)), method="qr")
+    a, b = cat(_query_blocks(*q, term)), cat(_key_blocks(*k, term))
+    return lowrank_product_singular_values(a, b, method="qr")
+
+
+@torch.no_grad()
+def qk_increment_spectra(
+    wq_old: torch.Tensor,
+    wk_old: torch.Tensor,
+    wq_new: torch.Tensor,
+    wk_new: torch.Tensor,
+    terms=("delta2",),
+    old_grams: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Gram-core singular values of several QK-increment `terms` from one set of blocks, and the new Grams.
+
+    Same inputs and per-term result as `qk_increment_singular_values` (method "gram"): returns
+    ({term: σ descending}, (Wq_newᵀWq_new, Wk_newᵀWk_new)), the new Grams [..., h, h] in float64 (MPS:
+    float32) at the query's resp. key's own leading shape. Pass them as `old_grams` at a later call
+    whose old blocks are exactly this call's new ones: the WᵀW products are then skipped (a quarter
+    of the d-long flops) and updated by G' = G + C + Cᵀ + D from blocks computed anyway
+    (see `qk_gram`). Each reuse adds one rounding of the h×h sum, so recompute exactly now and then.
+    """
+    bad = [t for t in terms if t not in TERMS]
+    if bad:
+        raise ValueError(f"terms must be in {TERMS}, got {bad}")
+    dtype = compute_dtype(wq_old, wk_old, wq_new, wk_new)
+    q = (wq_old.to(dtype), wq_new.to(dtype))
+    k = (wk_old.to(dtype), wk_new.to(dtype))
+    small = _small_dtype(q[0])
+    if q[0].shape[-2] < 2 * q[0].shape[-1]:  # d < 2h: the d×d products are the smaller problems
+        cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
+        out = {t: _direct_singular_values(cat(_query_blocks(*q, t)), cat(_key_blocks(*k, t))) for t in terms}
+        return out, tuple(rows_gram(_rows(x[1])).to(small) for x in (q, k))
+    old_q, old_k = old_grams if old_grams is not None else (None, None)
+    query, key = factor_blocks(*q, old_q, small), factor_blocks(*k, old_k, small)
+    eps = torch.finfo(dtype).eps
+    out = {t: _gram_core_singular_values(*term_grams(query, key, t), eps).to(dtype) for t in terms}
+    return out, (query.new_gram(), key.new_gram())
 
 
 @torch.no_grad()

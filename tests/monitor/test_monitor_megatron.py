@@ -20,15 +20,16 @@ from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sam
 
 
 def monitored_run(tp=1, ep=1, pp=1, steps=4, num_layers=2, layer_freq=1, out_dir=None, fail_on_rank=None,
-                  groups=2, use_dist_opt=False, fail_target="qk_increment_singular_values"):
+                  groups=2, use_dist_opt=False, fail_target="qk_increment_spectra", monitor_overrides=None):
     """Train `steps` steps with the monitor on; return its last results, bytes held and disabled set."""
     init_parallel(tp=tp, ep=ep, pp=pp)
     model_cfg = TinyMoEConfig(num_layers=num_layers, sequence_parallel=tp > 1, moe_layer_freq=layer_freq,
                               num_query_groups=groups)
     train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4, use_distributed_optimizer=use_dist_opt)
     trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=3))
-    config = MonitorConfig(interval=2, delta=1, router_interval=1, experts_per_layer=3,
-                           output_dir=out_dir or "unused", sinks=["jsonl"] if out_dir else [])
+    config = MonitorConfig(**{**dict(interval=2, delta=1, router_interval=1, experts_per_layer=3,
+                                      output_dir=out_dir or "unused", sinks=["jsonl"] if out_dir else []),
+                              **(monitor_overrides or {})})
     monitor = MechanismMonitor(config, trainer.model, trainer.optimizer)
     if fail_on_rank is not None:
         import torch.distributed as dist
@@ -47,7 +48,8 @@ def monitored_run(tp=1, ep=1, pp=1, steps=4, num_layers=2, layer_freq=1, out_dir
                                          model_cfg.vocab_size)
         losses.append(trainer.train_step(batches, iteration=it + 1)["loss"])
     result = {"last": json.loads(json.dumps(monitor.last)), "bytes": monitor.bytes_held(),
-              "disabled": sorted(monitor.disabled), "losses": losses}
+              "disabled": sorted(monitor.disabled), "losses": losses,
+              "gram_reuses": {layer: reuses for layer, (_, reuses) in monitor._qk_grams.items()}}
     monitor.close()
     return result
 
@@ -108,6 +110,18 @@ def test_layout_reports_what_one_rank_reports(layout, reference):
         assert layer["overload"] == pytest.approx(max(per_rank) / (sum(per_rank) / ep), rel=1e-6)
 
 
+def test_qk_gram_reuse_reports_what_recomputing_reports():
+    """δ = interval: samples 4, 6, 8 reuse the snapshot's q/k Gram kept from the sample before (TP2, GQA)."""
+    overrides = dict(interval=2, delta=2, qk_terms=["delta1", "delta2", "delta3"])
+    reused = run_distributed(monitored_run, 2, tp=2, steps=8, monitor_overrides=overrides)
+    exact = run_distributed(monitored_run, 1, steps=8, monitor_overrides={**overrides, "qk_gram_reuse": 0})[0]
+    assert reused[0]["gram_reuses"] == {0: 3, 1: 3} and exact["gram_reuses"] == {0: 0, 1: 0}
+    assert reused[0]["last"] == reused[1]["last"]
+    attention = [{"last": {"a": run["last"]["attention-spectral"]}} for run in (reused[0], exact)]
+    assert attention[0]["last"]["a"]["step"] == 8
+    assert_same_results(*attention, rtol=1e-4)
+
+
 def test_mqa_with_tp_larger_than_query_groups():
     ref = run_distributed(monitored_run, 1, groups=1)[0]
     run = run_distributed(monitored_run, 2, tp=2, groups=1)[0]
@@ -124,7 +138,7 @@ def test_pp2_with_a_dense_stage_completes_and_covers_every_layer():
 
 
 @pytest.mark.parametrize("target,statistic,rank", [
-    ("qk_increment_singular_values", "attention-spectral", 0),
+    ("qk_increment_spectra", "attention-spectral", 0),
     ("singular_values_from_gram", "update-spectral", 1),  # rank 1 owns experts 4-7: fails there only
 ])
 def test_failing_statistic_is_disabled_everywhere_and_reported_once(tmp_path, target, statistic, rank):
