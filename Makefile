@@ -4,8 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mindspeed-proxy-installed
 PYTEST_ARGS ?= --durations=15
+# pytest-xdist: one worker per core, whole files per worker (module fixtures build once; proxy checkpoints are
+# shared between workers through a file lock, mindspeed_proxy/testing/shared.py). XDIST= runs in one process.
+XDIST ?= -n auto --dist loadfile
 
-.PHONY: setup demo rl-demo test clean-venv
+.PHONY: setup demo rl-demo test test-all clean-venv
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +27,10 @@ rl-demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
+
+test-all: setup
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 clean-venv:
 	rm -rf $(VENV)
