@@ -30,8 +30,18 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "expert output on --calibration-data tokens (the original model is run on CPU); FILE: "
                         'per-layer features collected during training, .npz or .pt mapping "<global layer>" -> '
                         "[E, D] array (docs/proxy.md)")
-    p.add_argument("--cluster", choices=["agglomerative", "kmeans"], default="agglomerative")
-    p.add_argument("--representative", choices=["medoid", "usage"], default="medoid")
+    p.add_argument("--cluster", choices=["agglomerative", "kmeans"], default=None,
+                   help="default: agglomerative (average linkage, angular distance); kmeans with --usage-weighted")
+    p.add_argument("--usage-weighted", action="store_true",
+                   help="usage-weighted clustering: k-means whose sample weights are the experts' usage shares "
+                        "(from --usage-file or the calibration tokens), so rarely used experts do not claim "
+                        "clusters of their own")
+    p.add_argument("--representative", choices=["medoid", "usage", "saliency", "merge"], default="medoid",
+                   help="the expert kept per cluster: medoid (default); usage: most-used member; saliency: "
+                        "highest REAP-like saliency (mean over calibration tokens routed to it of gate value x "
+                        "expert output norm; needs --calibration-data); merge: the cluster's usage-weighted "
+                        "average expert with the usage-weighted average router row (NOT bit-exact; legacy "
+                        "checkpoints only; recorded as such in the manifest)")
     p.add_argument("--calibration-data", default=None, metavar="PATH",
                    help="tokens for --features outputs: a Megatron indexed dataset prefix (PATH.bin/.idx), or a "
                         ".npy / .pt integer array [N, S] of token ids; the router's counts on them also serve "
@@ -84,7 +94,9 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     from mindspeed_proxy.proxy.plan import Options
 
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
-                      features=args.features, cluster=args.cluster, representative=args.representative,
+                      features=args.features, representative=args.representative,
+                      cluster=args.cluster or ("kmeans" if args.usage_weighted else "agglomerative"),
+                      usage_weighted=args.usage_weighted,
                       seed=args.seed, selection=args.selection,
                       usage_file=args.usage_file, calibration_data=args.calibration_data,
                       calibration_sequences=args.calibration_sequences,

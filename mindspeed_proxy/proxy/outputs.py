@@ -9,11 +9,14 @@ During the forward, a pre-hook on every MoE layer takes its input x (after the p
 is applied to every token (the layer's experts module called with all tokens for each expert and
 probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
 each expert (its own top-k, expert bias included). Feature of expert e = mean over tokens of expert_e(x).
+REAP-like saliency of expert e (for `--representative saliency`) = mean over the tokens routed to e of
+gate value (the router's output probability) x ||expert_e(x)||_2; 0 for an expert no token was routed to.
 """
 from __future__ import annotations
 
 import re
 import warnings
+from typing import Optional
 
 import numpy as np
 import torch
@@ -135,8 +138,9 @@ def _load(model, ckpt) -> None:
                               f"args ({first[0] if first else exc}); pass --features FILE") from None
 
 
-def _expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E, H] float64: sum over the rows of x of every expert's output."""
+def _expert_sums(experts, x: torch.Tensor, num_experts: int, norms: Optional[list] = None) -> torch.Tensor:
+    """[E, H] float64: sum over the rows of x of every expert's output (and, into `norms`, the [E, rows]
+    float64 L2 norms of every expert's output on every row, one chunk per item)."""
     hidden = x.shape[-1]
     rows = max(1, CHUNK_ELEMENTS // (num_experts * hidden))
     total = torch.zeros(num_experts, hidden, dtype=torch.float64)
@@ -146,7 +150,10 @@ def _expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
         counts = torch.full((num_experts,), n, dtype=torch.long)
         probs = torch.ones(num_experts * n, dtype=torch.float32, device=x.device)
         out, _ = experts(part.repeat(num_experts, 1), counts, probs)
-        total += out.reshape(num_experts, n, hidden).to(torch.float64).sum(dim=1).cpu()
+        out = out.reshape(num_experts, n, hidden).to(torch.float64)
+        total += out.sum(dim=1).cpu()
+        if norms is not None:
+            norms.append(out.norm(dim=-1).cpu())
     return total
 
 
@@ -154,26 +161,32 @@ class _Collector:
     """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
 
     def __init__(self, gpt, num_experts: int):
-        self.sums, self.usage, self.tokens, self.handles = {}, {}, 0, []
+        self.sums, self.usage, self.saliency, self.tokens, self.handles = {}, {}, {}, 0, []
+        self._norms = {}  # layer -> [E, tokens] output norms of the current forward, used by the router hook
         for tl in gpt.decoder.layers:
             if not hasattr(tl.mlp, "router"):
                 continue
             g = tl.layer_number - 1
             self.sums[g] = torch.zeros(num_experts, gpt.config.hidden_size, dtype=torch.float64)
             self.usage[g] = torch.zeros(num_experts, dtype=torch.float64)
+            self.saliency[g] = torch.zeros(num_experts, dtype=torch.float64)
             self.handles.append(tl.mlp.register_forward_pre_hook(self._pre(g, num_experts)))
             self.handles.append(tl.mlp.router.register_forward_hook(self._routed(g)))
 
     def _pre(self, g: int, num_experts: int):
         def _hook(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            self.sums[g] += _expert_sums(module.experts, x, num_experts)
+            norms = []
+            self.sums[g] += _expert_sums(module.experts, x, num_experts, norms)
+            self._norms[g] = torch.cat(norms, dim=1)
         return _hook
 
     def _routed(self, g: int):
         def _hook(module, inputs, output):
-            routing_map = output[1]
-            self.usage[g] += routing_map.reshape(-1, routing_map.shape[-1]).to(torch.float64).sum(dim=0).cpu()
+            routing_map = output[1].reshape(-1, output[1].shape[-1]).cpu()
+            self.usage[g] += routing_map.to(torch.float64).sum(dim=0)
+            gates = output[0].reshape(routing_map.shape).to(torch.float64).cpu() * routing_map
+            self.saliency[g] += (gates * self._norms.pop(g).T).sum(dim=0)
         return _hook
 
     def remove(self) -> None:
@@ -193,8 +206,9 @@ def _parallel_world_1():
     model_parallel_cuda_manual_seed(0)
 
 
-def output_features(ckpt, tokens: torch.Tensor) -> tuple:
-    """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used)."""
+def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None) -> tuple:
+    """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used); with a
+    `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -235,6 +249,8 @@ def output_features(ckpt, tokens: torch.Tensor) -> tuple:
             close_group()
     vectors = {g: (s / collector.tokens).numpy() for g, s in collector.sums.items()}
     usage = {g: [int(c) for c in u.tolist()] for g, u in collector.usage.items()}
+    if saliency is not None:
+        saliency.update({g: (collector.saliency[g] / collector.usage[g].clamp(min=1)).tolist() for g in usage})
     missing = sorted({l.global_layer for l in ckpt.layers} - set(vectors))
     if missing:
         raise ConversionError(f"--features outputs: MoE layer {missing[0]} of the checkpoint is not an MoE layer "

@@ -1,0 +1,163 @@
+"""Selection options of issue 13: saliency representative, usage-weighted clustering, merge; bad combinations."""
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.proxy import clustering, features, outputs
+from mindspeed_proxy.proxy.cli import main
+from mindspeed_proxy.proxy.convert import open_checkpoint
+from mindspeed_proxy.testing import run_distributed
+
+from test_proxy_features import _reference_capture, _tokens  # noqa: E402  (tests/proxy is on sys.path)
+
+BASE = ["--target-expert-parallel-size", "1", "--target-num-experts", "4"]
+
+
+def test_saliency_representative_is_the_cluster_argmax():
+    rng = np.random.default_rng(3)
+    sim = features.similarity_from_vectors(rng.standard_normal((8, 5)))
+    saliency = rng.random(8)
+    result = clustering.cluster_layer(sim, 3, representative="saliency", saliency=saliency)
+    labels = np.array(result["labels"])
+    expected = sorted(int(np.flatnonzero(labels == c)[np.argmax(saliency[labels == c])]) for c in range(3))
+    assert result["kept"] == expected
+    assert clustering.cluster_layer(sim, 3)["kept"] != expected  # not the medoid here
+    assert clustering.cluster_layer(sim, 3, representative="saliency", saliency=1 - saliency)["kept"] != expected
+
+
+def _weighted_sse(points, labels, weights):
+    total = 0.0
+    for c in set(labels):
+        idx = [i for i, lab in enumerate(labels) if lab == c]
+        w, p = weights[idx], points[idx]
+        centre = (w[:, None] * p).sum(0) / w.sum()
+        total += float((w * ((p - centre) ** 2).sum(1)).sum())
+    return total
+
+
+def _best_partition(points, weights, k):
+    best = None
+    for labels in itertools.product(range(k), repeat=len(points)):
+        if len(set(labels)) == k and labels[0] == 0:
+            cost = _weighted_sse(points, labels, weights)
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, labels)
+    return best[1]
+
+
+def _partition(labels):
+    return {frozenset(i for i, x in enumerate(labels) if x == c) for c in set(labels)}
+
+
+def test_usage_weighted_kmeans_minimises_the_usage_weighted_objective():
+    # unit vectors on a circle: a heavily used pair at 0-10 degrees, rarely used experts spread elsewhere
+    angles = np.radians([0, 10, 60, 100, 150, 200, 250, 300])
+    vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    usage = np.array([500, 400, 1, 2, 1, 3, 1, 2], dtype=np.float64)
+    sim = features.similarity_from_vectors(vectors)
+    weighted = clustering.cluster_layer(sim, 3, "kmeans", seed=0, usage=usage, usage_weighted=True)
+    plain = clustering.cluster_layer(sim, 3, "kmeans", seed=0)
+    points = clustering.embedding(sim)
+    want = _best_partition(points, clustering.usage_weights(usage), 3)
+    assert _partition(weighted["labels"]) == _partition(want)
+    assert _partition(plain["labels"]) == _partition(_best_partition(points, np.ones(8), 3))
+    assert _partition(weighted["labels"]) != _partition(plain["labels"])  # the weights matter here
+    assert weighted["labels"][0] != weighted["labels"][1]  # the two heavy experts are not merged
+
+
+def test_saliency_equals_float64_reference(checkpoints):
+    """REAP-like saliency from the converter's calibration forward vs by hand: mean over routed tokens of
+    the normalised sigmoid gate x ||SwiGLU expert output||."""
+    src = checkpoints("ep2_bias")
+    tokens = _tokens(4)
+    captured = run_distributed(_reference_capture, 2, src, "torch", tokens, timeout=300)
+    merged = {g: {**captured[0]["experts"][g], **captured[1]["experts"][g]} for g in captured[0]["experts"]}
+    ckpt = open_checkpoint(src, None)
+    saliency = {}
+    outputs.output_features(ckpt, tokens, saliency)
+    for g, x in captured[0]["inputs"].items():
+        weight, bias = captured[0]["routers"][g]
+        scores = torch.sigmoid(x @ weight.T)
+        chosen = (scores + bias).topk(2, dim=-1).indices
+        gates = scores.gather(1, chosen)
+        gates = gates / gates.sum(-1, keepdim=True)
+        total, count = np.zeros(8), np.zeros(8)
+        for e in range(8):
+            w1, w2 = merged[g][e]
+            gate, up = (x @ w1.T).chunk(2, dim=-1)
+            norm = ((torch.nn.functional.silu(gate) * up) @ w2.T).norm(dim=-1)
+            mask = chosen == e
+            total[e] = float((gates * mask).sum(-1).mul(norm).sum())
+            count[e] = float(mask.sum())
+        want = total / np.maximum(count, 1)
+        assert np.allclose(saliency[g], want, rtol=1e-5, atol=1e-7 * want.max()), (g, saliency[g], want)
+        assert want.max() > 0
+
+
+def test_merge_is_the_usage_weighted_average(checkpoints, tmp_path, capsys):
+    src = checkpoints("ep2_bias")  # sigmoid router with expert_bias, 2 MoE layers, 8 experts at EP=2
+    usage = {"0": [0, 10, 0, 0, 30, 0, 20, 5], "1": [9, 8, 7, 6, 5, 4, 3, 100]}
+    usage_file = tmp_path / "usage.json"
+    usage_file.write_text(json.dumps(usage))
+    out = str(tmp_path / "proxy")
+    assert main(["--load", src, "--save", out, *BASE, "--representative", "merge",
+                 "--usage-file", str(usage_file)]) == 0
+    manifest = json.load(open(os.path.join(out, "proxy_manifest.json")))
+    assert manifest["representative"] == "merge" and manifest["bit_exact"] is False
+    assert "not bit-exact" in manifest["verification"]["experts_are"]
+    proxy = safe_torch_load(os.path.join(out, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"))["model"]
+    source = {}
+    for r in (0, 1):
+        source.update({(r, k): v for k, v in safe_torch_load(
+            os.path.join(src, "iter_0000002", f"mp_rank_00_00{r}", "model_optim_rng.pt"))["model"].items()})
+    for layer in manifest["layers"]:
+        g, labels, kept = layer["layer"], np.array(layer["cluster_labels"]), layer["kept_global_ids_in_new_order"]
+        counts = np.array(usage[str(g)], dtype=np.float64)
+        pre = f"decoder.layers.{g}.mlp."
+        for j, rep in enumerate(kept):
+            members = np.flatnonzero(labels == labels[rep])
+            w = counts[members] / counts[members].sum() if counts[members].sum() else np.full(len(members),
+                                                                                                1 / len(members))
+            assert counts[rep] == counts[members].max()  # the merge takes the most-used member's slot
+            assert layer["merge_weights"][j] == [[int(m), float(x)] for m, x in zip(members, w)]
+            for name in ("linear_fc1.weight", "linear_fc2.weight"):
+                want = sum(wi * source[(m // 4, f"{pre}experts.local_experts.{m % 4}.{name}")].double()
+                           for m, wi in zip(members, w))
+                got = proxy[f"{pre}experts.local_experts.{j}.{name}"]
+                assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-7), (g, j, name)
+            for name in ("weight", "expert_bias"):
+                rows = source[(0, pre + "router." + name)].double()
+                want = sum(wi * rows[m] for m, wi in zip(members, w))
+                assert torch.allclose(proxy[pre + "router." + name][j].double(), want, rtol=1e-6, atol=1e-7)
+
+
+def _bad_cases(src, dist_src, usage_file):
+    return [
+        (["--usage-weighted", "--cluster", "agglomerative", "--usage-file", usage_file], "needs --cluster kmeans"),
+        (["--usage-weighted"], "--usage-file"),
+        (["--usage-weighted", "--selection", "random"], "no meaning with --selection random"),
+        (["--representative", "saliency"], "needs --calibration-data"),
+        (["--representative", "merge", "--selection", "usage", "--usage-file", usage_file], "no meaning"),
+        (["--representative", "merge"], "--usage-file"),
+        (["--load", dist_src, "--representative", "merge", "--usage-file", usage_file], "legacy (torch)"),
+    ]
+
+
+def test_bad_selection_combinations(checkpoints, dist_checkpoints, tmp_path, capsys, hash_folder):
+    src, dist_src = checkpoints("ep2_bias"), dist_checkpoints("ep2_bias")
+    usage_file = tmp_path / "usage.json"
+    usage_file.write_text(json.dumps({"0": [1] * 8, "1": [1] * 8}))
+    before = hash_folder(src)
+    out = str(tmp_path / "proxy")
+    for extra, message in _bad_cases(src, dist_src, str(usage_file)):
+        load = [] if "--load" in extra else ["--load", src]
+        assert main(load + ["--save", out, *BASE] + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("convert_to_proxy.py: error:") and message in err[0], (extra, err)
+        assert not os.path.exists(out) and not [n for n in os.listdir(tmp_path) if "proxy-tmp" in n]
+    assert hash_folder(src) == before
