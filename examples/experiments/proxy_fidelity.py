@@ -57,6 +57,9 @@ METHODS = {
                       OUT + ["--representative", "merge"]),
     "uw-outputs-merge": ("merge (not bit-exact): usage-weighted k-means on outputs, usage-weighted average",
                          OUT + ["--usage-weighted", "--representative", "merge"]),
+    "reconstruction": ("reconstruction: per layer the K-subset whose output (with the proxy's re-routing) is "
+                       "closest to the original layer's on the calibration tokens", CAL + ["--selection",
+                                                                                           "reconstruction"]),
     "most-used": ("most-used (usage counts on the calibration samples)",
                   ["--selection", "usage", "--usage-file", "{usage}"]),
 }

@@ -56,10 +56,12 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "resumes at the source's iteration and consumed samples (optimizer moments and RNG "
                         "are always dropped); default: a fresh start with --finetune")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--selection", choices=["cluster", "random", "usage"], default="cluster",
+    p.add_argument("--selection", choices=["cluster", "random", "usage", "reconstruction"], default="cluster",
                    help="random: the baseline (K experts drawn per layer with --seed) instead of clustering; "
                         "usage: the K most-used experts per layer (needs --usage-file, or --features outputs with "
-                        "--calibration-data)")
+                        "--calibration-data); reconstruction: per layer the K experts whose proxy layer output "
+                        "(with the proxy's own re-routing) is closest to the original layer's on the calibration "
+                        "tokens (needs --calibration-data)")
     p.add_argument("--usage-file", default=None, metavar="FILE",
                    help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
                         "and --representative usage (takes precedence over calibration counts)")

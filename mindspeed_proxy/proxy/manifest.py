@@ -45,7 +45,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
                        "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"],
                        "calibration_usage": calibration_usage.get(layer.global_layer),
                        "calibration_saliency": calibration_saliency.get(layer.global_layer),
-                       **({"merge_weights": d["merge"]} if "merge" in d else {})})
+                       **({"merge_weights": d["merge"]} if "merge" in d else {}),
+                       **({"reconstruction": d["reconstruction"]} if "reconstruction" in d else {})})
     return {
         "format": fmt,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -160,8 +160,9 @@ def _expert_sums(experts, x: torch.Tensor, num_experts: int, norms: Optional[lis
 class _Collector:
     """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
 
-    def __init__(self, gpt, num_experts: int):
+    def __init__(self, gpt, num_experts: int, sample_tokens: int = 0):
         self.sums, self.usage, self.saliency, self.tokens, self.handles = {}, {}, {}, 0, []
+        self.sample_tokens, self.sample, self._taken = sample_tokens, {}, {}  # --selection reconstruction
         self._norms = {}  # layer -> [E, tokens] output norms of the current forward, used by the router hook
         for tl in gpt.decoder.layers:
             if not hasattr(tl.mlp, "router"):
@@ -179,6 +180,15 @@ class _Collector:
             norms = []
             self.sums[g] += _expert_sums(module.experts, x, num_experts, norms)
             self._norms[g] = torch.cat(norms, dim=1)
+            have = self.sample.setdefault(g, {"outputs": [], "logits": []})["outputs"]
+            take = min(x.shape[0], self.sample_tokens - sum(o.shape[0] for o in have))
+            self._taken[g] = max(take, 0)
+            if take > 0:  # every expert on the first `take` rows, [take, E, H]
+                part = x[:take]
+                counts = torch.full((num_experts,), take, dtype=torch.long)
+                probs = torch.ones(num_experts * take, dtype=torch.float32, device=x.device)
+                out, _ = module.experts(part.repeat(num_experts, 1), counts, probs)
+                have.append(out.reshape(num_experts, take, -1).transpose(0, 1).float().cpu())
         return _hook
 
     def _routed(self, g: int):
@@ -187,6 +197,13 @@ class _Collector:
             self.usage[g] += routing_map.to(torch.float64).sum(dim=0)
             gates = output[0].reshape(routing_map.shape).to(torch.float64).cpu() * routing_map
             self.saliency[g] += (gates * self._norms.pop(g).T).sum(dim=0)
+            take = self._taken.pop(g, 0)
+            if take:
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])[:take]
+                self.sample[g]["logits"].append(module.gating(x).reshape(take, -1).float().cpu())
+                bias = getattr(module, "expert_bias", None)
+                if bias is not None and module.config.moe_router_enable_expert_bias:
+                    self.sample[g]["bias"] = bias.detach().float().cpu()
         return _hook
 
     def remove(self) -> None:
@@ -206,9 +223,12 @@ def _parallel_world_1():
     model_parallel_cuda_manual_seed(0)
 
 
-def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None) -> tuple:
+def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
+                    sample: Optional[dict] = None, sample_tokens: int = 0) -> tuple:
     """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used); with a
-    `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring)."""
+    `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring); with a
+    `sample` dict, fills it with {global layer: {"outputs": [T, E, H], "logits": [T, E], "bias": [E] or
+    absent}} for the first `sample_tokens` tokens (reconstruction.py)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -233,7 +253,7 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None)
         ckpt.release()
         device = platform.device()
         model.to(device).eval()
-        collector = _Collector(gpt, ckpt.layout.num_experts)
+        collector = _Collector(gpt, ckpt.layout.num_experts, sample_tokens if sample is not None else 0)
         try:
             with torch.no_grad():
                 for start in range(0, tokens.shape[0], BATCH_SEQUENCES):
@@ -249,6 +269,9 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None)
             close_group()
     vectors = {g: (s / collector.tokens).numpy() for g, s in collector.sums.items()}
     usage = {g: [int(c) for c in u.tolist()] for g, u in collector.usage.items()}
+    if sample is not None:
+        sample.update({g: {k: torch.cat(v) if isinstance(v, list) else v for k, v in d.items()}
+                       for g, d in collector.sample.items()})
     if saliency is not None:
         saliency.update({g: (collector.saliency[g] / collector.usage[g].clamp(min=1)).tolist() for g in usage})
     missing = sorted({l.global_layer for l in ckpt.layers} - set(vectors))

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspeed_proxy.proxy import clustering, features
+from mindspeed_proxy.proxy import clustering, features, reconstruction
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
 
@@ -26,7 +26,8 @@ class Options:
     representative: str = "medoid"  # medoid, usage, saliency (REAP-like) or merge (not bit-exact)
     usage_weighted: bool = False  # k-means with the experts' usage shares as sample weights
     seed: int = 0
-    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used
+    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used;
+    # "reconstruction": the K-subset whose layer output best matches the original's (reconstruction.py)
     usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64
@@ -113,6 +114,10 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
             sim = features.weight_similarity(ckpt, layer)
         if options.selection == "random":
             result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
+        elif options.selection == "reconstruction":
+            result = reconstruction.selection_result(sim, plan.inputs["sample"][layer.global_layer],
+                                                     options.target_k, reconstruction.routing_config(ckpt.args),
+                                                     rules["num_groups"])
         elif options.selection == "usage":
             result = clustering.usage_selection(sim, options.target_k, usage[layer], rules["num_groups"])
         else:
@@ -124,6 +129,7 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
+    plan.inputs.pop("sample", None)  # per-token expert outputs: only the search needs them
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
 
@@ -139,6 +145,9 @@ def check_selection_options(options: Options, fmt: str) -> None:
     if options.representative in ("saliency", "merge") and options.selection != "cluster":
         raise ConversionError(f"--representative {options.representative} picks within clusters; it has no "
                               f"meaning with --selection {options.selection}")
+    if options.selection == "reconstruction" and not options.calibration_data:
+        raise ConversionError("--selection reconstruction needs --calibration-data PATH (the layers' outputs are "
+                              "measured on calibration tokens)")
     if options.representative == "saliency" and not options.calibration_data:
         raise ConversionError("--representative saliency needs --calibration-data PATH (gate value x expert "
                               "output norm is measured on calibration tokens)")
@@ -155,9 +164,11 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
               "calibration_saliency": None}
     if options.usage_file:
         inputs["usage_file"] = {"path": os.path.abspath(options.usage_file), "sha256": sha256(options.usage_file)}
-    forward = options.feature_type == "outputs" or options.representative == "saliency"
+    forward = options.feature_type == "outputs" or options.representative == "saliency" or \
+        options.selection == "reconstruction"
     if not forward and options.calibration_data:
-        raise ConversionError("--calibration-data is only used with --features outputs or --representative saliency")
+        raise ConversionError("--calibration-data is only used with --features outputs, --representative saliency "
+                              "or --selection reconstruction")
     if forward:
         from mindspeed_proxy.proxy import calibration, outputs
 
@@ -168,8 +179,12 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         cfg = outputs.model_config_from_args(args)  # refuse an unsupported model before reading any data
         calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
                                              options.calibration_sequences)
-        saliency = {}
-        vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency)
+        saliency, sample = {}, ({} if options.selection == "reconstruction" else None)
+        if sample is not None:
+            reconstruction.check_size(len(ckpt.layers), ckpt.layout.num_experts, cfg.hidden_size)
+        vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency, sample,
+                                                                          reconstruction.TOKENS)
+        inputs["sample"] = sample
         inputs["calibration_saliency"] = saliency
         inputs["calibration_data"] = calib.describe()
         if options.feature_type == "outputs":

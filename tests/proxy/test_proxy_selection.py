@@ -142,6 +142,7 @@ def _bad_cases(src, dist_src, usage_file):
         (["--usage-weighted"], "--usage-file"),
         (["--usage-weighted", "--selection", "random"], "no meaning with --selection random"),
         (["--representative", "saliency"], "needs --calibration-data"),
+        (["--selection", "reconstruction"], "needs --calibration-data"),
         (["--representative", "merge", "--selection", "usage", "--usage-file", usage_file], "no meaning"),
         (["--representative", "merge"], "--usage-file"),
         (["--load", dist_src, "--representative", "merge", "--usage-file", usage_file], "legacy (torch)"),
@@ -161,3 +162,64 @@ def test_bad_selection_combinations(checkpoints, dist_checkpoints, tmp_path, cap
         assert len(err) == 1 and err[0].startswith("convert_to_proxy.py: error:") and message in err[0], (extra, err)
         assert not os.path.exists(out) and not [n for n in os.listdir(tmp_path) if "proxy-tmp" in n]
     assert hash_folder(src) == before
+
+
+def _numpy_layer(outputs_, logits, bias, subset, topk, sigmoid):
+    """Proxy layer output by hand: top-k of the subset's scores (+bias), softmax over the chosen logits or
+    normalised sigmoid gates, weighted sum of the chosen experts' outputs."""
+    subset = list(subset)
+    lg = logits[:, subset].astype(np.float64)
+    score = 1 / (1 + np.exp(-lg)) if sigmoid else lg
+    rank = score + (bias[subset] if bias is not None else 0.0)
+    out = np.zeros((lg.shape[0], outputs_.shape[2]))
+    for t in range(lg.shape[0]):
+        top = np.argsort(-rank[t], kind="stable")[:topk]
+        gate = score[t, top] / score[t, top].sum() if sigmoid else np.exp(lg[t, top] - lg[t, top].max())
+        gate = gate if sigmoid else gate / gate.sum()
+        out[t] = (gate[:, None] * outputs_[t, [subset[i] for i in top]]).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_reconstruction_selection_equals_numpy_search(monkeypatch, sigmoid):
+    from mindspeed_proxy.proxy import reconstruction
+
+    rng = np.random.default_rng(5 + sigmoid)
+    t, e, h = 40, 6, 5
+    sample = {"outputs": torch.from_numpy(rng.standard_normal((t, e, h)).astype(np.float32)),
+              "logits": torch.from_numpy(rng.standard_normal((t, e)).astype(np.float32))}
+    bias = rng.standard_normal(e).astype(np.float32) * 0.1 if sigmoid else None
+    if sigmoid:
+        sample["bias"] = torch.from_numpy(bias)
+    routing = {"topk": 2, "use_pre_softmax": False, "score_function": "sigmoid" if sigmoid else "softmax",
+               "scaling_factor": None}
+    o, lg = sample["outputs"].numpy(), sample["logits"].numpy()
+    full = _numpy_layer(o, lg, bias, range(e), 2, sigmoid)
+
+    def err(s):
+        return float(((_numpy_layer(o, lg, bias, s, 2, sigmoid) - full) ** 2).sum(-1).mean())
+    errors = {s: err(s) for s in itertools.combinations(range(e), 3)}
+    want = min(errors, key=errors.get)
+    kept, info = reconstruction.select(sample, 3, routing)
+    assert tuple(kept) == want and info["search"] == "exhaustive"
+    assert np.isclose(info["error"], errors[want], rtol=1e-5)
+    monkeypatch.setattr(reconstruction, "EXHAUSTIVE", 1)  # greedy backward elimination, by hand
+    greedy = list(range(e))
+    while len(greedy) > 3:
+        greedy.remove(min(greedy, key=lambda d: err([x for x in greedy if x != d])))
+    kept, info = reconstruction.select(sample, 3, routing)
+    assert kept == greedy and info["search"] == "greedy"
+
+
+def test_reconstruction_cli_records_the_search(checkpoints, tmp_path, capsys):
+    src = checkpoints("ep2_bias")
+    calib = tmp_path / "calib.npy"
+    np.save(calib, _tokens(3).numpy())
+    out = str(tmp_path / "proxy")
+    assert main(["--load", src, "--save", out, *BASE, "--selection", "reconstruction",
+                 "--calibration-data", str(calib)]) == 0
+    manifest = json.load(open(os.path.join(out, "proxy_manifest.json")))
+    assert manifest["selection"] == "reconstruction" and manifest["bit_exact"] is True
+    for layer in manifest["layers"]:
+        assert layer["reconstruction"]["search"] == "exhaustive" and layer["reconstruction"]["error"] >= 0
+        assert len(layer["kept_global_ids_in_new_order"]) == 4
