@@ -68,7 +68,10 @@ def report(results: dict, a, methods_doc: dict, cmd: str, seconds: float, gbs: i
              "- **top-k agreement**: at every MoE layer and eval token, P = the proxy's top-2 experts (as original "
              "ids), R = the top-2 of the *original* router's scores on that token (recorded on the original's own "
              "forward) among the kept experts; agreement = mean over tokens and layers of |P ∩ R| / 2. For merge, "
-             "the kept ids are the slots the merged experts take (each cluster's most-used member).",
+             "the kept ids are the slots the merged experts take (each cluster's most-used member). At K=2 = "
+             "top-k it is 1 by construction (both kept experts are always chosen).",
+             "- Paired: per training seed, the method's Δ minus most-used's Δ; mean [min, max] over seeds (max < 0: "
+             "better than most-used on every seed).",
              "- Summary cells: mean over training seeds [min, max]; random = mean over selection seeds "
              f"{','.join(map(str, a.random_seeds))} per training seed. Wins = training seeds where the method's Δ is "
              "below most-used's.", "",
@@ -84,18 +87,22 @@ def report(results: dict, a, methods_doc: dict, cmd: str, seconds: float, gbs: i
         lines.append(f"**Miss**: no bit-exact method beats most-used in mean Δ at every K; best found (lowest mean "
                      f"Δ over K): `{best_any}`.")
     lines += ["", "## Summary (Δ eval loss vs the original, mean [min, max] over training seeds)", "",
-              "| K | method | Δ eval loss | top-k agreement | wins vs most-used |", "|---|---|---|---|---|"]
+              "| K | method | Δ eval loss | top-k agreement | Δ − most-used's Δ (paired) | wins vs most-used |",
+              "|---|---|---|---|---|---|"]
     for k in ks:
         rows = [m for m in methods + ["random"] if (k, m) in table]
         rows.sort(key=lambda m: statistics.mean(table[(k, m)]["delta"]))
         used = table.get((k, "most-used"))
         for m in rows:
             r = table[(k, m)]
+            ties = 0 if m == "most-used" or not used else sum(d == u for d, u in zip(r["delta"], used["delta"]))
             wins = "" if m == "most-used" or not used else \
-                f"{sum(d < u for d, u in zip(r['delta'], used['delta']))}/{len(r['delta'])}"
+                f"{sum(d < u for d, u in zip(r['delta'], used['delta']))}/{len(r['delta'])}" + \
+                (f" ({ties} tied)" if ties else "")
             name = f"**{m}**" if m == best else m
+            paired = "" if m == "most-used" or not used else _stats([d - u for d, u in zip(r["delta"], used["delta"])])
             lines.append(f"| {k} | {name} | {_stats(r['delta'])} | {_stats(r['agreement']).replace('+', '')} | "
-                         f"{wins} |")
+                         f"{paired} | {wins} |")
     lines += ["", "## Per training seed (Δ eval loss / agreement)", "",
               "| K | method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
               "|---|---|" + "---|" * len(seeds)]

@@ -25,7 +25,7 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "checked against it, nothing else depends on it)")
     p.add_argument("--target-num-experts", type=int, required=True, metavar="K")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's iteration")
-    p.add_argument("--features", default="weights", metavar="weights|outputs|FILE",
+    p.add_argument("--features", default=None, metavar="weights|outputs|FILE",
                    help="weights: data-free (flattened expert weights + router row, default); outputs: mean "
                         "expert output on --calibration-data tokens (the original model is run on CPU); FILE: "
                         'per-layer features collected during training, .npz or .pt mapping "<global layer>" -> '
@@ -36,7 +36,7 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                    help="usage-weighted clustering: k-means whose sample weights are the experts' usage shares "
                         "(from --usage-file or the calibration tokens), so rarely used experts do not claim "
                         "clusters of their own")
-    p.add_argument("--representative", choices=["medoid", "usage", "saliency", "merge"], default="medoid",
+    p.add_argument("--representative", choices=["medoid", "usage", "saliency", "merge"], default=None,
                    help="the expert kept per cluster: medoid (default); usage: most-used member; saliency: "
                         "highest REAP-like saliency (mean over calibration tokens routed to it of gate value x "
                         "expert output norm; needs --calibration-data); merge: the cluster's usage-weighted "
@@ -56,8 +56,11 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "resumes at the source's iteration and consumed samples (optimizer moments and RNG "
                         "are always dropped); default: a fresh start with --finetune")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--selection", choices=["cluster", "random", "usage", "reconstruction"], default="cluster",
-                   help="random: the baseline (K experts drawn per layer with --seed) instead of clustering; "
+    p.add_argument("--selection", choices=["cluster", "random", "usage", "reconstruction"], default=None,
+                   help="default: reconstruction when --calibration-data is given and no clustering option "
+                        "(--features, --cluster, --representative, --usage-weighted) is, else cluster "
+                        "(docs/results/proxy_fidelity.md); random: the baseline (K experts drawn per layer with "
+                        "--seed) instead of clustering; "
                         "usage: the K most-used experts per layer (needs --usage-file, or --features outputs with "
                         "--calibration-data); reconstruction: per layer the K experts whose proxy layer output "
                         "(with the proxy's own re-routing) is closest to the original layer's on the calibration "
@@ -88,6 +91,16 @@ def _check_save_features(args, options) -> None:
         raise ConversionError(f"--save-features {path}: parent folder does not exist")
 
 
+def default_selection(args) -> str:
+    """--selection as given, else reconstruction (the best in the fidelity table) when calibration data is
+    given and no clustering option is, else cluster (the data-free fallback)."""
+    if args.selection is not None:
+        return args.selection
+    clustering = any(v is not None for v in (args.features, args.cluster, args.representative)) or \
+        args.usage_weighted
+    return "reconstruction" if args.calibration_data and not clustering else "cluster"
+
+
 def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     """Parse `argv`, convert; 0 on success, one `prog: error: ...` line on stderr and 2 on bad input."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
@@ -96,10 +109,10 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     from mindspeed_proxy.proxy.plan import Options
 
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
-                      features=args.features, representative=args.representative,
+                      features=args.features or "weights", representative=args.representative or "medoid",
                       cluster=args.cluster or ("kmeans" if args.usage_weighted else "agglomerative"),
                       usage_weighted=args.usage_weighted,
-                      seed=args.seed, selection=args.selection,
+                      seed=args.seed, selection=default_selection(args),
                       usage_file=args.usage_file, calibration_data=args.calibration_data,
                       calibration_sequences=args.calibration_sequences,
                       keep_optimizer_args=args.keep_optimizer_args)

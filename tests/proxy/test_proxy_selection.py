@@ -216,10 +216,21 @@ def test_reconstruction_cli_records_the_search(checkpoints, tmp_path, capsys):
     calib = tmp_path / "calib.npy"
     np.save(calib, _tokens(3).numpy())
     out = str(tmp_path / "proxy")
-    assert main(["--load", src, "--save", out, *BASE, "--selection", "reconstruction",
-                 "--calibration-data", str(calib)]) == 0
+    assert main(["--load", src, "--save", out, *BASE, "--calibration-data", str(calib)]) == 0  # the default
     manifest = json.load(open(os.path.join(out, "proxy_manifest.json")))
     assert manifest["selection"] == "reconstruction" and manifest["bit_exact"] is True
     for layer in manifest["layers"]:
         assert layer["reconstruction"]["search"] == "exhaustive" and layer["reconstruction"]["error"] >= 0
         assert len(layer["kept_global_ids_in_new_order"]) == 4
+
+
+def test_default_selection_rule():
+    from mindspeed_proxy.proxy.cli import build_parser, default_selection
+
+    base = ["--load", "x", *BASE]
+    parse = build_parser().parse_args
+    assert default_selection(parse(base)) == "cluster"  # data-free: weights, agglomerative, medoid
+    assert default_selection(parse(base + ["--calibration-data", "c.npy"])) == "reconstruction"
+    for extra in (["--features", "outputs"], ["--representative", "saliency"], ["--cluster", "kmeans"],
+                  ["--usage-weighted"], ["--selection", "usage"]):
+        assert default_selection(parse(base + ["--calibration-data", "c.npy"] + extra)) != "reconstruction", extra
