@@ -57,9 +57,11 @@ METHODS = {
                       OUT + ["--representative", "merge"]),
     "uw-outputs-merge": ("merge (not bit-exact): usage-weighted k-means on outputs, usage-weighted average",
                          OUT + ["--usage-weighted", "--representative", "merge"]),
-    "reconstruction": ("reconstruction: per layer the K-subset whose output (with the proxy's re-routing) is "
-                       "closest to the original layer's on the calibration tokens", CAL + ["--selection",
-                                                                                           "reconstruction"]),
+    "reconstruction": ("reconstruction: per layer, in order, the K-subset whose output (with the proxy's "
+                       "re-routing) is closest to the original layer's, on the inputs of the model pruned so far",
+                       CAL + ["--selection", "reconstruction"]),
+    "reconstruction-local": ("reconstruction, layer-local: the same search on the original model's inputs",
+                             CAL + ["--selection", "reconstruction", "--reconstruction-inputs", "original"]),
     "most-used": ("most-used (usage counts on the calibration samples)",
                   ["--selection", "usage", "--usage-file", "{usage}"]),
 }

@@ -65,6 +65,9 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "--calibration-data); reconstruction: per layer the K experts whose proxy layer output "
                         "(with the proxy's own re-routing) is closest to the original layer's on the calibration "
                         "tokens (needs --calibration-data)")
+    p.add_argument("--reconstruction-inputs", choices=["proxy", "original"], default="proxy",
+                   help="--selection reconstruction scores each layer on the inputs of the model pruned so far "
+                        "(proxy, default) or of the original model (original: layer-local)")
     p.add_argument("--usage-file", default=None, metavar="FILE",
                    help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
                         "and --representative usage (takes precedence over calibration counts)")
@@ -112,6 +115,7 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
                       features=args.features or "weights", representative=args.representative or "medoid",
                       cluster=args.cluster or ("kmeans" if args.usage_weighted else "agglomerative"),
                       usage_weighted=args.usage_weighted,
+                      reconstruction_inputs=args.reconstruction_inputs,
                       seed=args.seed, selection=default_selection(args),
                       usage_file=args.usage_file, calibration_data=args.calibration_data,
                       calibration_sequences=args.calibration_sequences,

@@ -157,6 +157,15 @@ def _expert_sums(experts, x: torch.Tensor, num_experts: int, norms: Optional[lis
     return total
 
 
+def all_expert_outputs(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[rows, E, H] float32 on CPU: every expert applied to every row of x (probability 1)."""
+    rows = x.shape[0]
+    counts = torch.full((num_experts,), rows, dtype=torch.long)
+    probs = torch.ones(num_experts * rows, dtype=torch.float32, device=x.device)
+    out, _ = experts(x.repeat(num_experts, 1), counts, probs)
+    return out.reshape(num_experts, rows, -1).transpose(0, 1).float().cpu()
+
+
 class _Collector:
     """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
 
@@ -183,12 +192,8 @@ class _Collector:
             have = self.sample.setdefault(g, {"outputs": [], "logits": []})["outputs"]
             take = min(x.shape[0], self.sample_tokens - sum(o.shape[0] for o in have))
             self._taken[g] = max(take, 0)
-            if take > 0:  # every expert on the first `take` rows, [take, E, H]
-                part = x[:take]
-                counts = torch.full((num_experts,), take, dtype=torch.long)
-                probs = torch.ones(num_experts * take, dtype=torch.float32, device=x.device)
-                out, _ = module.experts(part.repeat(num_experts, 1), counts, probs)
-                have.append(out.reshape(num_experts, take, -1).transpose(0, 1).float().cpu())
+            if take > 0:
+                have.append(all_expert_outputs(module.experts, x[:take], num_experts))
         return _hook
 
     def _routed(self, g: int):
@@ -224,11 +229,12 @@ def _parallel_world_1():
 
 
 def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
-                    sample: Optional[dict] = None, sample_tokens: int = 0) -> tuple:
+                    sample: Optional[dict] = None, sample_tokens: int = 0, sequential=None) -> tuple:
     """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used); with a
     `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring); with a
     `sample` dict, fills it with {global layer: {"outputs": [T, E, H], "logits": [T, E], "bias": [E] or
-    absent}} for the first `sample_tokens` tokens (reconstruction.py)."""
+    absent}} for the first `sample_tokens` tokens (reconstruction.py); `sequential`: a dict whose "choose"
+    (layer, sample) -> (kept, info) is called by `reconstruction.sequential_pass` and whose "kept" it fills."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -263,6 +269,10 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
                     collector.tokens += batch.numel()
         finally:
             collector.remove()
+        if sequential is not None:
+            from mindspeed_proxy.proxy.reconstruction import sequential_pass
+
+            sequential["kept"] = sequential_pass(model, gpt, tokens, sequential["choose"], device)
     finally:
         ps.destroy_model_parallel()
         if created:

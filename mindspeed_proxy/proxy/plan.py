@@ -28,6 +28,7 @@ class Options:
     seed: int = 0
     selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used;
     # "reconstruction": the K-subset whose layer output best matches the original's (reconstruction.py)
+    reconstruction_inputs: str = "proxy"  # or "original": layer-local scoring (reconstruction.py)
     usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64
@@ -115,9 +116,8 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         if options.selection == "random":
             result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
         elif options.selection == "reconstruction":
-            result = reconstruction.selection_result(sim, plan.inputs["sample"][layer.global_layer],
-                                                     options.target_k, reconstruction.routing_config(ckpt.args),
-                                                     rules["num_groups"])
+            result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
+            result["reconstruction"]["inputs"] = options.reconstruction_inputs
         elif options.selection == "usage":
             result = clustering.usage_selection(sim, options.target_k, usage[layer], rules["num_groups"])
         else:
@@ -129,7 +129,7 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
-    plan.inputs.pop("sample", None)  # per-token expert outputs: only the search needs them
+    plan.inputs.pop("chosen", None)
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
 
@@ -179,12 +179,21 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         cfg = outputs.model_config_from_args(args)  # refuse an unsupported model before reading any data
         calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
                                              options.calibration_sequences)
-        saliency, sample = {}, ({} if options.selection == "reconstruction" else None)
-        if sample is not None:
+        saliency, sample, sequential = {}, None, None
+        if options.selection == "reconstruction":
             reconstruction.check_size(len(ckpt.layers), ckpt.layout.num_experts, cfg.hidden_size)
+            routing, groups = reconstruction.routing_config(args), getattr(args, "moe_router_num_groups", None)
+            if options.reconstruction_inputs == "proxy":
+                sequential = {"choose": lambda g, s: reconstruction.select(s, options.target_k, routing, groups)}
+            else:
+                sample = {}
         vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency, sample,
-                                                                          reconstruction.TOKENS)
-        inputs["sample"] = sample
+                                                                          reconstruction.TOKENS, sequential)
+        if sample is not None:
+            inputs["chosen"] = {g: reconstruction.select(s, options.target_k, routing, groups)
+                                for g, s in sample.items()}
+        elif sequential is not None:
+            inputs["chosen"] = sequential["kept"]
         inputs["calibration_saliency"] = saliency
         inputs["calibration_data"] = calib.describe()
         if options.feature_type == "outputs":

@@ -234,3 +234,23 @@ def test_default_selection_rule():
     for extra in (["--features", "outputs"], ["--representative", "saliency"], ["--cluster", "kmeans"],
                   ["--usage-weighted"], ["--selection", "usage"]):
         assert default_selection(parse(base + ["--calibration-data", "c.npy"] + extra)) != "reconstruction", extra
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_sequential_reconstruction_sees_the_pruned_inputs(checkpoints, keep_all):
+    """Layer 0 is scored on the original inputs; layer 1 on the pruned model's: the same as the original's
+    when layer 0 keeps every expert, different when it keeps four."""
+    tokens = _tokens(2)
+    seen = {}
+
+    def choose(g, sample):
+        seen[g] = sample
+        return (list(range(8)) if keep_all else [0, 2, 5, 7]), {}
+    original, sequential = {}, {"choose": choose}
+    ckpt = open_checkpoint(checkpoints("ep2_bias"), None)
+    outputs.output_features(ckpt, tokens, None, original, tokens.numel(), sequential)
+    assert sorted(sequential["kept"]) == sorted(seen) == [0, 1]
+    for name in ("outputs", "logits"):
+        assert torch.allclose(seen[0][name], original[0][name], rtol=1e-5, atol=1e-6)
+        same = torch.allclose(seen[1][name], original[1][name], rtol=1e-5, atol=1e-6)
+        assert same is keep_all, name
