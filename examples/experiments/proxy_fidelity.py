@@ -151,6 +151,7 @@ def run_seed(a, seed: int, results: dict, save) -> None:
 
 
 def main(argv=None) -> int:
+    """Run (or reuse) every training seed's cells, print the report, write it to --doc."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "proxy_fidelity"))
     p.add_argument("--train-iters", type=int, default=300)
