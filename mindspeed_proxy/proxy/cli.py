@@ -25,13 +25,23 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "checked against it, nothing else depends on it)")
     p.add_argument("--target-num-experts", type=int, required=True, metavar="K")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's iteration")
-    p.add_argument("--features", default="weights", metavar="weights|outputs|FILE",
+    p.add_argument("--features", default=None, metavar="weights|outputs|FILE",
                    help="weights: data-free (flattened expert weights + router row, default); outputs: mean "
                         "expert output on --calibration-data tokens (the original model is run on CPU); FILE: "
                         'per-layer features collected during training, .npz or .pt mapping "<global layer>" -> '
                         "[E, D] array (docs/proxy.md)")
-    p.add_argument("--cluster", choices=["agglomerative", "kmeans"], default="agglomerative")
-    p.add_argument("--representative", choices=["medoid", "usage"], default="medoid")
+    p.add_argument("--cluster", choices=["agglomerative", "kmeans"], default=None,
+                   help="default: agglomerative (average linkage, angular distance); kmeans with --usage-weighted")
+    p.add_argument("--usage-weighted", action="store_true",
+                   help="usage-weighted clustering: k-means whose sample weights are the experts' usage shares "
+                        "(from --usage-file or the calibration tokens), so rarely used experts do not claim "
+                        "clusters of their own")
+    p.add_argument("--representative", choices=["medoid", "usage", "saliency", "merge"], default=None,
+                   help="the expert kept per cluster: medoid (default); usage: most-used member; saliency: "
+                        "highest REAP-like saliency (mean over calibration tokens routed to it of gate value x "
+                        "expert output norm; needs --calibration-data); merge: the cluster's usage-weighted "
+                        "average expert with the usage-weighted average router row (NOT bit-exact; legacy "
+                        "checkpoints only; recorded as such in the manifest)")
     p.add_argument("--calibration-data", default=None, metavar="PATH",
                    help="tokens for --features outputs: a Megatron indexed dataset prefix (PATH.bin/.idx), or a "
                         ".npy / .pt integer array [N, S] of token ids; the router's counts on them also serve "
@@ -46,10 +56,18 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                         "resumes at the source's iteration and consumed samples (optimizer moments and RNG "
                         "are always dropped); default: a fresh start with --finetune")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--selection", choices=["cluster", "random", "usage"], default="cluster",
-                   help="random: the baseline (K experts drawn per layer with --seed) instead of clustering; "
+    p.add_argument("--selection", choices=["cluster", "random", "usage", "reconstruction"], default=None,
+                   help="default: reconstruction when --calibration-data is given and no clustering option "
+                        "(--features, --cluster, --representative, --usage-weighted) is, else cluster "
+                        "(docs/results/proxy_fidelity.md); random: the baseline (K experts drawn per layer with "
+                        "--seed) instead of clustering; "
                         "usage: the K most-used experts per layer (needs --usage-file, or --features outputs with "
-                        "--calibration-data)")
+                        "--calibration-data); reconstruction: per layer the K experts whose proxy layer output "
+                        "(with the proxy's own re-routing) is closest to the original layer's on the calibration "
+                        "tokens (needs --calibration-data)")
+    p.add_argument("--reconstruction-inputs", choices=["proxy", "original"], default="proxy",
+                   help="--selection reconstruction scores each layer on the inputs of the model pruned so far "
+                        "(proxy, default) or of the original model (original: layer-local)")
     p.add_argument("--usage-file", default=None, metavar="FILE",
                    help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
                         "and --representative usage (takes precedence over calibration counts)")
@@ -76,6 +94,16 @@ def _check_save_features(args, options) -> None:
         raise ConversionError(f"--save-features {path}: parent folder does not exist")
 
 
+def default_selection(args) -> str:
+    """--selection as given, else reconstruction (the best in the fidelity table) when calibration data is
+    given and no clustering option is, else cluster (the data-free fallback)."""
+    if args.selection is not None:
+        return args.selection
+    clustering = any(v is not None for v in (args.features, args.cluster, args.representative)) or \
+        args.usage_weighted
+    return "reconstruction" if args.calibration_data and not clustering else "cluster"
+
+
 def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     """Parse `argv`, convert; 0 on success, one `prog: error: ...` line on stderr and 2 on bad input."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
@@ -84,8 +112,11 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     from mindspeed_proxy.proxy.plan import Options
 
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
-                      features=args.features, cluster=args.cluster, representative=args.representative,
-                      seed=args.seed, selection=args.selection,
+                      features=args.features or "weights", representative=args.representative or "medoid",
+                      cluster=args.cluster or ("kmeans" if args.usage_weighted else "agglomerative"),
+                      usage_weighted=args.usage_weighted,
+                      reconstruction_inputs=args.reconstruction_inputs,
+                      seed=args.seed, selection=default_selection(args),
                       usage_file=args.usage_file, calibration_data=args.calibration_data,
                       calibration_sequences=args.calibration_sequences,
                       keep_optimizer_args=args.keep_optimizer_args)

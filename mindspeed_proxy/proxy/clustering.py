@@ -38,29 +38,48 @@ def agglomerative(dist: np.ndarray, k: int) -> np.ndarray:
     return _canonical(cut_tree(tree, n_clusters=k).reshape(-1))
 
 
-def kmeans(similarity: np.ndarray, k: int, seed: int) -> np.ndarray:
-    """k-means with `k` clusters on an exact embedding of the similarity (Gram) matrix, seeded."""
+def embedding(similarity: np.ndarray) -> np.ndarray:
+    """Points whose Gram matrix is the (PSD part of the) similarity matrix: one row per expert."""
+    values, vectors = np.linalg.eigh(similarity)
+    return vectors * np.sqrt(np.clip(values, 0.0, None))
+
+
+def usage_weights(usage) -> np.ndarray:
+    """k-means sample weights from usage counts: the usage share, floored at 1e-6 so unused experts still count."""
+    counts = np.asarray(usage, dtype=np.float64)
+    return counts / max(counts.sum(), 1e-300) + 1e-6
+
+
+def kmeans(similarity: np.ndarray, k: int, seed: int, weights: Optional[np.ndarray] = None) -> np.ndarray:
+    """k-means with `k` clusters on an exact embedding of the similarity (Gram) matrix, seeded.
+
+    With `weights` (usage-weighted clustering) each expert counts in proportion to its weight: the
+    objective is the usage-weighted sum of squared distances to the cluster centres."""
     from sklearn.cluster import KMeans
 
-    values, vectors = np.linalg.eigh(similarity)
-    points = vectors * np.sqrt(np.clip(values, 0.0, None))
-    labels = KMeans(n_clusters=k, random_state=seed, n_init=10).fit(points).labels_
+    points = embedding(similarity)
+    labels = KMeans(n_clusters=k, random_state=seed, n_init=10).fit(points, sample_weight=weights).labels_
     if len(set(labels.tolist())) != k:
         raise ConversionError(f"k-means found {len(set(labels.tolist()))} distinct clusters, not {k} "
                               "(duplicate experts?); use --cluster agglomerative")
     return _canonical(labels)
 
 
-def representatives(labels: np.ndarray, dist: np.ndarray, rule: str,
-                    usage: Optional[np.ndarray] = None) -> list[int]:
-    """One member per cluster: the medoid (least total distance) or the most-used member; ties -> lower id."""
+def representatives(labels: np.ndarray, dist: np.ndarray, rule: str, usage: Optional[np.ndarray] = None,
+                    saliency: Optional[np.ndarray] = None) -> list[int]:
+    """One member per cluster: the medoid (least total distance), the most-used member (rules usage and
+    merge: merge keeps the most-used member's slot) or the most salient member; ties -> lower id."""
     reps = []
     for cluster in range(int(labels.max()) + 1):
         members = np.flatnonzero(labels == cluster)
-        if rule == "usage":
+        if rule in ("usage", "merge"):
             if usage is None:
-                raise ConversionError("--representative usage needs expert usage counts (--usage-file FILE)")
+                raise ConversionError(f"--representative {rule} needs expert usage counts (--usage-file FILE)")
             score = -np.asarray(usage, dtype=np.float64)[members]
+        elif rule == "saliency":
+            if saliency is None:
+                raise ConversionError("--representative saliency needs --calibration-data PATH")
+            score = -np.asarray(saliency, dtype=np.float64)[members]
         else:
             score = dist[np.ix_(members, members)].sum(axis=1)
         reps.append(int(members[np.argmin(score)]))  # argmin returns the first (lowest id) of ties
@@ -69,11 +88,15 @@ def representatives(labels: np.ndarray, dist: np.ndarray, rule: str,
 
 def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative", seed: int = 0,
                   num_groups: Optional[int] = None, representative: str = "medoid",
-                  usage: Optional[np.ndarray] = None) -> dict:
+                  usage: Optional[np.ndarray] = None, saliency: Optional[np.ndarray] = None,
+                  usage_weighted: bool = False) -> dict:
     """Labels (per expert), kept ids (sorted) and distance summary for one layer.
 
     With group-limited routing (`num_groups`) each contiguous group of E/groups experts is clustered
-    into K/groups on its own, so every group keeps the same number of experts."""
+    into K/groups on its own, so every group keeps the same number of experts. `usage_weighted`:
+    k-means with the experts' usage shares as sample weights (needs `usage`)."""
+    if usage_weighted and usage is None:
+        raise ConversionError("--usage-weighted needs expert usage counts (--usage-file FILE or --calibration-data)")
     n = similarity.shape[0]
     groups = num_groups or 1
     dist = angular_distance(similarity)
@@ -83,12 +106,30 @@ def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative",
     for g in range(groups):
         idx = np.arange(g * size, (g + 1) * size)
         sub_sim, sub_dist = similarity[np.ix_(idx, idx)], dist[np.ix_(idx, idx)]
-        sub = agglomerative(sub_dist, per) if method == "agglomerative" else kmeans(sub_sim, per, seed + g)
+        if method == "agglomerative":
+            sub = agglomerative(sub_dist, per)
+        else:
+            weights = usage_weights(np.asarray(usage, dtype=np.float64)[idx]) if usage_weighted else None
+            sub = kmeans(sub_sim, per, seed + g, weights)
         labels[idx] = sub + offset
         offset += per
-    kept = sorted(representatives(labels, dist, representative, usage))
+    kept = sorted(representatives(labels, dist, representative, usage, saliency))
     return {"labels": labels.tolist(), "kept": kept, "sizes": np.bincount(labels, minlength=k).tolist(),
             "distances": _summary(labels, dist, kept)}
+
+
+def merge_weights(labels, kept: list, usage) -> list:
+    """For each kept id (in `kept` order): [[member, weight], ...] of its cluster, weights = usage shares
+    within the cluster (equal weights if the cluster was never used)."""
+    labels = np.asarray(labels)
+    counts = np.asarray(usage, dtype=np.float64)
+    out = []
+    for rep in kept:
+        members = np.flatnonzero(labels == labels[rep])
+        w = counts[members]
+        w = w / w.sum() if w.sum() > 0 else np.full(len(members), 1.0 / len(members))
+        out.append([[int(m), float(x)] for m, x in zip(members, w)])
+    return out
 
 
 def random_selection(similarity: np.ndarray, k: int, seed, num_groups: Optional[int] = None) -> dict:

@@ -42,6 +42,9 @@ def check_options(options, iteration) -> None:
     if options.feature_type == "outputs":
         raise ConversionError("--features outputs is not supported for Hugging Face checkpoints yet; use "
                               "weights or a features FILE")
+    if options.selection == "reconstruction" or options.representative == "saliency":
+        raise ConversionError("--selection reconstruction and --representative saliency need the calibration "
+                              "forward, not supported for Hugging Face checkpoints yet")
 
 
 def _read_json(path: str, what: str) -> dict:

@@ -222,17 +222,13 @@ def _global_layer(prefix: str, pp: int, v: int, L: Layout, args, chunks: int) ->
     return v * L.pp * per + pp * per + int(match.group(1))
 
 
-def router_rows(value: torch.Tensor, kept: list) -> torch.Tensor:
-    """Rows `kept` of a router tensor, as a fresh tensor."""
-    return value.index_select(0, torch.tensor(kept, dtype=torch.long)).clone()
-
-
 def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp: int, pp: int, ep: int,
                      spill=None) -> dict:
     """The proxy's file (tp, pp, ep) as a state dict: non-expert entries from the source's EP rank 0,
     router rows and experts of the kept ids, optimizer / RNG / rerun state left out. Tensors built
     here (router rows, regrouped experts) go through `spill` (e.g. to a file-backed copy) if given."""
     source = ckpt.state(tp, pp, 0)
+    from mindspeed_proxy.proxy import merge
     from mindspeed_proxy.proxy.plan import kept_fields
 
     out = {k: source[k] for k in kept_fields(KEPT_FIELDS, plan.options) if k in source}
@@ -248,9 +244,9 @@ def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp:
             for name in ("weight", "expert_bias", "bias"):
                 key = layer.prefix + "router." + name
                 if isinstance(model.get(key), torch.Tensor):
-                    model[key] = _spilled(router_rows(model[key], kept), spill)
+                    model[key] = _spilled(merge.router_rows(plan, layer, model[key]), spill)
             local_ids = [target.global_id(ep, tp, j) for j in range(target.num_local_experts)]
-            pieces = [ckpt.expert(layer, kept[g], tp) for g in local_ids]
+            pieces = [merge.expert(ckpt, plan, layer, kept[g], tp) for g in local_ids]
             built = codec.build(prefix, pieces)
             model.update({k: _spilled(_own(v), spill) for k, v in built.items()})
             del built, pieces

@@ -36,13 +36,17 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
     s, t = plan.source, plan.target
     inputs = plan.inputs
     calibration_usage = inputs.get("calibration_usage") or {}
+    calibration_saliency = inputs.get("calibration_saliency") or {}
     layers = []
     for layer, kept in plan.kept.items():
         d = plan.details[layer]
         layers.append({"layer": layer.global_layer, "pipeline_stage": layer.pp, "chunk": layer.chunk,
                        "prefix": layer.prefix, "kept_global_ids_in_new_order": kept,
                        "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"],
-                       "calibration_usage": calibration_usage.get(layer.global_layer)})
+                       "calibration_usage": calibration_usage.get(layer.global_layer),
+                       "calibration_saliency": calibration_saliency.get(layer.global_layer),
+                       **({"merge_weights": d["merge"]} if "merge" in d else {}),
+                       **({"reconstruction": d["reconstruction"]} if "reconstruction" in d else {})})
     return {
         "format": fmt,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -55,6 +59,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
         "features": plan.options.features,
         "cluster": plan.options.cluster,
         "representative": plan.options.representative,
+        "usage_weighted": plan.options.usage_weighted,
+        "bit_exact": plan.options.bit_exact,  # False with merge: experts and router rows are averages
         "usage_source": inputs.get("usage_source"),
         "seed": plan.options.seed,
         "calibration_fingerprint": _fingerprint(inputs),

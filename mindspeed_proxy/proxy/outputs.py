@@ -9,11 +9,14 @@ During the forward, a pre-hook on every MoE layer takes its input x (after the p
 is applied to every token (the layer's experts module called with all tokens for each expert and
 probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
 each expert (its own top-k, expert bias included). Feature of expert e = mean over tokens of expert_e(x).
+REAP-like saliency of expert e (for `--representative saliency`) = mean over the tokens routed to e of
+gate value (the router's output probability) x ||expert_e(x)||_2; 0 for an expert no token was routed to.
 """
 from __future__ import annotations
 
 import re
 import warnings
+from typing import Optional
 
 import numpy as np
 import torch
@@ -135,8 +138,9 @@ def _load(model, ckpt) -> None:
                               f"args ({first[0] if first else exc}); pass --features FILE") from None
 
 
-def expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E, H] float64: sum over the rows of x of every expert's output."""
+def expert_sums(experts, x: torch.Tensor, num_experts: int, norms: Optional[list] = None) -> torch.Tensor:
+    """[E, H] float64: sum over the rows of x of every expert's output (and, into `norms`, the [E, rows]
+    float64 L2 norms of every expert's output on every row, one chunk per item)."""
     hidden = x.shape[-1]
     rows = max(1, CHUNK_ELEMENTS // (num_experts * hidden))
     total = torch.zeros(num_experts, hidden, dtype=torch.float64)
@@ -146,34 +150,65 @@ def expert_sums(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
         counts = torch.full((num_experts,), n, dtype=torch.long)
         probs = torch.ones(num_experts * n, dtype=torch.float32, device=x.device)
         out, _ = experts(part.repeat(num_experts, 1), counts, probs)
-        total += out.reshape(num_experts, n, hidden).to(torch.float64).sum(dim=1).cpu()
+        out = out.reshape(num_experts, n, hidden).to(torch.float64)
+        total += out.sum(dim=1).cpu()
+        if norms is not None:
+            norms.append(out.norm(dim=-1).cpu())
     return total
+
+
+def all_expert_outputs(experts, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[rows, E, H] float32 on CPU: every expert applied to every row of x (probability 1)."""
+    rows = x.shape[0]
+    counts = torch.full((num_experts,), rows, dtype=torch.long)
+    probs = torch.ones(num_experts * rows, dtype=torch.float32, device=x.device)
+    out, _ = experts(x.repeat(num_experts, 1), counts, probs)
+    return out.reshape(num_experts, rows, -1).transpose(0, 1).float().cpu()
 
 
 class _Collector:
     """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
 
-    def __init__(self, gpt, num_experts: int):
-        self.sums, self.usage, self.tokens, self.handles = {}, {}, 0, []
+    def __init__(self, gpt, num_experts: int, sample_tokens: int = 0):
+        self.sums, self.usage, self.saliency, self.tokens, self.handles = {}, {}, {}, 0, []
+        self.sample_tokens, self.sample, self._taken = sample_tokens, {}, {}  # --selection reconstruction
+        self._norms = {}  # layer -> [E, tokens] output norms of the current forward, used by the router hook
         for tl in gpt.decoder.layers:
             if not hasattr(tl.mlp, "router"):
                 continue
             g = tl.layer_number - 1
             self.sums[g] = torch.zeros(num_experts, gpt.config.hidden_size, dtype=torch.float64)
             self.usage[g] = torch.zeros(num_experts, dtype=torch.float64)
+            self.saliency[g] = torch.zeros(num_experts, dtype=torch.float64)
             self.handles.append(tl.mlp.register_forward_pre_hook(self._pre(g, num_experts)))
             self.handles.append(tl.mlp.router.register_forward_hook(self._routed(g)))
 
     def _pre(self, g: int, num_experts: int):
         def _hook(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            self.sums[g] += expert_sums(module.experts, x, num_experts)
+            norms = []
+            self.sums[g] += expert_sums(module.experts, x, num_experts, norms)
+            self._norms[g] = torch.cat(norms, dim=1)
+            have = self.sample.setdefault(g, {"outputs": [], "logits": []})["outputs"]
+            take = min(x.shape[0], self.sample_tokens - sum(o.shape[0] for o in have))
+            self._taken[g] = max(take, 0)
+            if take > 0:
+                have.append(all_expert_outputs(module.experts, x[:take], num_experts))
         return _hook
 
     def _routed(self, g: int):
         def _hook(module, inputs, output):
-            routing_map = output[1]
-            self.usage[g] += routing_map.reshape(-1, routing_map.shape[-1]).to(torch.float64).sum(dim=0).cpu()
+            routing_map = output[1].reshape(-1, output[1].shape[-1]).cpu()
+            self.usage[g] += routing_map.to(torch.float64).sum(dim=0)
+            gates = output[0].reshape(routing_map.shape).to(torch.float64).cpu() * routing_map
+            self.saliency[g] += (gates * self._norms.pop(g).T).sum(dim=0)
+            take = self._taken.pop(g, 0)
+            if take:
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])[:take]
+                self.sample[g]["logits"].append(module.gating(x).reshape(take, -1).float().cpu())
+                bias = getattr(module, "expert_bias", None)
+                if bias is not None and module.config.moe_router_enable_expert_bias:
+                    self.sample[g]["bias"] = bias.detach().float().cpu()
         return _hook
 
     def remove(self) -> None:
@@ -193,8 +228,13 @@ def _parallel_world_1():
     model_parallel_cuda_manual_seed(0)
 
 
-def output_features(ckpt, tokens: torch.Tensor) -> tuple:
-    """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used)."""
+def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
+                    sample: Optional[dict] = None, sample_tokens: int = 0, sequential=None) -> tuple:
+    """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used); with a
+    `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring); with a
+    `sample` dict, fills it with {global layer: {"outputs": [T, E, H], "logits": [T, E], "bias": [E] or
+    absent}} for the first `sample_tokens` tokens (reconstruction.py); `sequential`: a dict whose "choose"
+    (layer, sample) -> (kept, info) is called by `reconstruction.sequential_pass` and whose "kept" it fills."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -219,7 +259,7 @@ def output_features(ckpt, tokens: torch.Tensor) -> tuple:
         ckpt.release()
         device = platform.device()
         model.to(device).eval()
-        collector = _Collector(gpt, ckpt.layout.num_experts)
+        collector = _Collector(gpt, ckpt.layout.num_experts, sample_tokens if sample is not None else 0)
         try:
             with torch.no_grad():
                 for start in range(0, tokens.shape[0], BATCH_SEQUENCES):
@@ -229,12 +269,21 @@ def output_features(ckpt, tokens: torch.Tensor) -> tuple:
                     collector.tokens += batch.numel()
         finally:
             collector.remove()
+        if sequential is not None:
+            from mindspeed_proxy.proxy.reconstruction import sequential_pass
+
+            sequential["kept"] = sequential_pass(model, gpt, tokens, sequential["choose"], device)
     finally:
         ps.destroy_model_parallel()
         if created:
             close_group()
     vectors = {g: (s / collector.tokens).numpy() for g, s in collector.sums.items()}
     usage = {g: [int(c) for c in u.tolist()] for g, u in collector.usage.items()}
+    if sample is not None:
+        sample.update({g: {k: torch.cat(v) if isinstance(v, list) else v for k, v in d.items()}
+                       for g, d in collector.sample.items()})
+    if saliency is not None:
+        saliency.update({g: (collector.saliency[g] / collector.usage[g].clamp(min=1)).tolist() for g in usage})
     missing = sorted({l.global_layer for l in ckpt.layers} - set(vectors))
     if missing:
         raise ConversionError(f"--features outputs: MoE layer {missing[0]} of the checkpoint is not an MoE layer "

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspeed_proxy.proxy import clustering, features
+from mindspeed_proxy.proxy import clustering, features, reconstruction
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
 
@@ -23,13 +23,21 @@ class Options:
     target_k: int
     features: str = "weights"
     cluster: str = "agglomerative"
-    representative: str = "medoid"
+    representative: str = "medoid"  # medoid, usage, saliency (REAP-like) or merge (not bit-exact)
+    usage_weighted: bool = False  # k-means with the experts' usage shares as sample weights
     seed: int = 0
-    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used
+    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used;
+    # "reconstruction": the K-subset whose layer output best matches the original's (reconstruction.py)
+    reconstruction_inputs: str = "proxy"  # or "original": layer-local scoring (reconstruction.py)
     usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64
     keep_optimizer_args: bool = False  # keep opt_param_scheduler; launch without --finetune
+
+    @property
+    def bit_exact(self) -> bool:
+        """False for --representative merge (kept experts and router rows are usage-weighted averages)."""
+        return self.representative != "merge"
 
     @property
     def feature_type(self) -> str:
@@ -88,14 +96,17 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         plan.new_args, plan.args_diff = ckpt.rewrite_config(target)
     else:
         plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    check_selection_options(options, plan.fmt)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
     plan.inputs = _gather_inputs(ckpt, options, plan)
     if not usage and plan.inputs.get("calibration_usage"):
         usage = {layer: plan.inputs["calibration_usage"][layer.global_layer] for layer in ckpt.layers}
     plan.inputs["usage_source"] = "usage-file" if options.usage_file else "calibration" if usage else None
-    if (options.selection == "usage" or options.representative == "usage") and not usage:
-        raise ConversionError("--selection usage / --representative usage need --usage-file FILE "
-                              "(or --features outputs with --calibration-data PATH)")
+    if (options.selection == "usage" or options.representative in ("usage", "merge") or options.usage_weighted) \
+            and not usage:
+        raise ConversionError("--selection usage / --representative usage|merge / --usage-weighted need "
+                              "--usage-file FILE (or --features outputs with --calibration-data PATH)")
+    saliency = plan.inputs.get("calibration_saliency") or {}
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
         if plan.vectors:
@@ -104,28 +115,61 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
             sim = features.weight_similarity(ckpt, layer)
         if options.selection == "random":
             result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
+        elif options.selection == "reconstruction":
+            result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
+            result["reconstruction"]["inputs"] = options.reconstruction_inputs
         elif options.selection == "usage":
             result = clustering.usage_selection(sim, options.target_k, usage[layer], rules["num_groups"])
         else:
             result = clustering.cluster_layer(sim, options.target_k, options.cluster, options.seed,
-                                              rules["num_groups"], options.representative, usage.get(layer))
+                                              rules["num_groups"], options.representative, usage.get(layer),
+                                              saliency.get(layer.global_layer), options.usage_weighted)
+            if options.representative == "merge":
+                result["merge"] = clustering.merge_weights(result["labels"], result["kept"], usage[layer])
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
+    plan.inputs.pop("chosen", None)
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
+
+
+def check_selection_options(options: Options, fmt: str) -> None:
+    """Refuse flag combinations of the selection options that cannot work, before any data is read."""
+    if options.usage_weighted and options.selection != "cluster":
+        raise ConversionError(f"--usage-weighted weights the clustering; it has no meaning with --selection "
+                              f"{options.selection}")
+    if options.usage_weighted and options.cluster != "kmeans":
+        raise ConversionError("--usage-weighted needs --cluster kmeans (the default with --usage-weighted): "
+                              "average-linkage agglomerative clustering takes no sample weights")
+    if options.representative in ("saliency", "merge") and options.selection != "cluster":
+        raise ConversionError(f"--representative {options.representative} picks within clusters; it has no "
+                              f"meaning with --selection {options.selection}")
+    if options.selection == "reconstruction" and not options.calibration_data:
+        raise ConversionError("--selection reconstruction needs --calibration-data PATH (the layers' outputs are "
+                              "measured on calibration tokens)")
+    if options.representative == "saliency" and not options.calibration_data:
+        raise ConversionError("--representative saliency needs --calibration-data PATH (gate value x expert "
+                              "output norm is measured on calibration tokens)")
+    if options.representative == "merge" and fmt != "torch":
+        raise ConversionError(f"--representative merge is implemented for legacy (torch) checkpoints only, "
+                              f"not {fmt}")
 
 
 def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
     """Read the usage file / calibration data / features FILE named by `options`; fill plan.vectors."""
     from mindspeed_proxy.proxy.manifest import sha256
 
-    inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None}
+    inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None,
+              "calibration_saliency": None}
     if options.usage_file:
         inputs["usage_file"] = {"path": os.path.abspath(options.usage_file), "sha256": sha256(options.usage_file)}
-    if options.feature_type != "outputs" and options.calibration_data:
-        raise ConversionError("--calibration-data is only used with --features outputs")
-    if options.feature_type == "outputs":
+    forward = options.feature_type == "outputs" or options.representative == "saliency" or \
+        options.selection == "reconstruction"
+    if not forward and options.calibration_data:
+        raise ConversionError("--calibration-data is only used with --features outputs, --representative saliency "
+                              "or --selection reconstruction")
+    if forward:
         from mindspeed_proxy.proxy import calibration, outputs
 
         if not options.calibration_data:
@@ -135,9 +179,26 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         cfg = outputs.model_config_from_args(args)  # refuse an unsupported model before reading any data
         calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
                                              options.calibration_sequences)
-        plan.vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens)
+        saliency, sample, sequential = {}, None, None
+        if options.selection == "reconstruction":
+            reconstruction.check_size(len(ckpt.layers), ckpt.layout.num_experts, cfg.hidden_size)
+            routing, groups = reconstruction.routing_config(args), getattr(args, "moe_router_num_groups", None)
+            if options.reconstruction_inputs == "proxy":
+                sequential = {"choose": lambda g, s: reconstruction.select(s, options.target_k, routing, groups)}
+            else:
+                sample = {}
+        vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency, sample,
+                                                                          reconstruction.TOKENS, sequential)
+        if sample is not None:
+            inputs["chosen"] = {g: reconstruction.select(s, options.target_k, routing, groups)
+                                for g, s in sample.items()}
+        elif sequential is not None:
+            inputs["chosen"] = sequential["kept"]
+        inputs["calibration_saliency"] = saliency
         inputs["calibration_data"] = calib.describe()
-    elif options.feature_type == "file":
+        if options.feature_type == "outputs":
+            plan.vectors = vectors
+    if options.feature_type == "file":
         plan.vectors = features.read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
         inputs["features_file"] = {"path": os.path.abspath(options.features), "sha256": sha256(options.features)}
     return inputs
@@ -202,7 +263,8 @@ def describe(plan: Plan) -> str:
              else f"proxy:  {t.num_experts} experts, TP={t.tp} PP={t.pp} EP={t.ep} DP={t.dp} "
              f"({t.world_size} accelerators)",
              f"selection={plan.options.selection} features={plan.options.features} cluster={plan.options.cluster} "
-             f"representative={plan.options.representative} seed={plan.options.seed}"]
+             f"representative={plan.options.representative} usage_weighted={plan.options.usage_weighted} "
+             f"seed={plan.options.seed}" + ("" if plan.options.bit_exact else " (merge: NOT bit-exact)")]
     calib = plan.inputs.get("calibration_data")
     if calib:
         lines.append(f"calibration: {calib['tokens']} tokens ({calib['sequences']} x {calib['sequence_length']}) "

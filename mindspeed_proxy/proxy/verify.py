@@ -6,7 +6,7 @@ import os
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy import merge, pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.legacy_io import FILE, KEPT_FIELDS, iteration_dir_name, rank_dir_name
 from mindspeed_proxy.proxy.plan import kept_fields
@@ -26,8 +26,9 @@ def _fail(path: str, what: str) -> None:
 
 
 def verify_legacy(ckpt, plan, out_root: str) -> dict:
-    """Check every proxy file: key set, kept experts and router rows bit-exact, other entries identical,
-    args rewritten; return counts of what was checked."""
+    """Check every proxy file: key set, kept experts and router rows bit-exact (with merge: equal to the
+    usage-weighted average of the cluster, recomputed), other entries identical, args rewritten; return
+    counts of what was checked."""
     src, tgt = plan.source, plan.target
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     expected_dirs = {rank_dir_name(t, p, e, tgt) for t in range(tgt.tp) for p in range(tgt.pp) for e in range(tgt.ep)}
@@ -46,6 +47,8 @@ def verify_legacy(ckpt, plan, out_root: str) -> dict:
                 _verify_file(ckpt, plan, path, safe_torch_load(path, mmap=True), tp, pp, ep, counts)
                 ckpt.release()
                 counts["files"] += 1
+    if merge.is_merge(plan):
+        counts["experts_are"] = "usage-weighted merges of their clusters (not bit-exact copies)"
     return counts
 
 
@@ -77,15 +80,16 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
             for j in range(n_local):
                 source_id = plan.kept[layer][tgt.global_id(ep, tp, j)]
                 got = codec.get(model, prefix, j, n_local)
-                want = ckpt.expert(layer, source_id, tp)
+                want = merge.expert(ckpt, plan, layer, source_id, tp)
                 if set(got) != set(want) or not all(bit_equal(got[n], want[n]) for n in want):
                     _fail(path, f"{layer.name} local expert {j} differs from source expert {source_id}")
                 pages.drop(*got.values(), *want.values())
                 counts["experts"] += 1
             for name, value in ckpt.router(layer).items():
                 key = layer.prefix + "router." + name
-                if not bit_equal(model.get(key), value[plan.kept[layer]]):
-                    _fail(path, f"{key} is not the source rows {plan.kept[layer]}")
+                if not bit_equal(model.get(key), merge.router_rows(plan, layer, value)):
+                    _fail(path, f"{key} is not the source rows {plan.kept[layer]}"
+                          + (" merged by usage" if merge.is_merge(plan) else ""))
                 counts["router_rows"] += len(plan.kept[layer])
         routers = {l.prefix + "router." + n for l in layers for n in ckpt.router(l)}
         rest_src = set(src_model) - owned_src - routers
