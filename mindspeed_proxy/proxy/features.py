@@ -36,9 +36,10 @@ def block_gram(block: np.ndarray, columns: int = PRODUCT_COLUMNS) -> np.ndarray:
 
 
 def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRODUCT_COLUMNS) -> np.ndarray:
-    """X Xᵀ (float64) for X whose row i is `rows[i]` flattened: column blocks copied into one float32
+    """X Xᵀ (float64) for X whose row i is `rows[i]` flattened: column blocks gathered into one float32
     buffer (float64 if a row is float64), multiplied in that dtype over `columns` columns at a time,
-    summed in float64; each block's memory-mapped source pages are dropped once copied."""
+    summed in float64. Rows memory-mapped from a registered checkpoint file are read with pread straight
+    into the buffer (their mapping is never touched); others are copied, their mapped pages dropped."""
     n = len(rows)
     flat = [r.reshape(-1) for r in rows]
     length = flat[0].numel()
@@ -48,15 +49,44 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
     block = max(1, min(length, block_bytes // (dtype.itemsize * n)))
     gram = np.zeros((n, n))
     buffer = torch.empty(n, block, dtype=dtype)
-    pages.mapped(flat[0])  # learn about freshly mapped sources now, so the first block's pages drop too
-    for start in range(0, length, block):
-        chunk = buffer[:, :min(block, length - start)]
-        for i, f in enumerate(flat):
-            piece = f[start:start + block]
-            chunk[i].copy_(piece)
-            pages.drop(piece)  # memory-mapped source pages leave RSS once read
-        gram += block_gram(chunk.numpy(), columns)
+    sources = pages.file_ranges(flat)
+    files: dict = {}
+    staging: dict = {}
+    try:
+        for path in {s[0] for s in sources if s}:
+            files[path] = os.open(path, os.O_RDONLY)
+        for start in range(0, length, block):
+            width = min(block, length - start)
+            for i, f in enumerate(flat):
+                row = buffer[i, :width]
+                if sources[i] is None:
+                    piece = f[start:start + width]
+                    row.copy_(piece)
+                    pages.drop(piece)  # memory-mapped source pages leave RSS once read
+                    continue
+                path, offset = sources[i]
+                target = row if f.dtype == dtype else staging.setdefault(f.dtype, torch.empty(block, dtype=f.dtype))[:width]
+                _pread(files[path], target, offset + start * f.element_size(), path)
+                if target is not row:
+                    row.copy_(target)
+            gram += block_gram(buffer[:, :width].numpy(), columns)
+    finally:
+        for fd in files.values():
+            os.close(fd)
     return gram
+
+
+def _pread(fd: int, target: torch.Tensor, offset: int, path: str) -> None:
+    """Fill contiguous `target` with the file's bytes at `offset`."""
+    view = memoryview(target.view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            from mindspeed_proxy.proxy.errors import ConversionError
+
+            raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
+        done += got
 
 
 def expert_row_groups(ckpt, layer):
