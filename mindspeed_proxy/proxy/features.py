@@ -17,7 +17,7 @@ import torch
 
 from mindspeed_proxy.proxy import pages
 
-BLOCK_BYTES = 8 << 20  # the staging buffer (E x columns); source pages are dropped once copied into it
+BLOCK_BYTES = 4 << 20  # the staging buffer (E x columns); source pages are dropped once copied into it
 PRODUCT_COLUMNS = 8192  # float32 products run over at most this many columns before float64 accumulation
 
 

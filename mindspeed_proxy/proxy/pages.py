@@ -133,3 +133,17 @@ def drop_buffer(buffer) -> None:
     import numpy as np
 
     drop_range(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data, view.nbytes)
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the kernel (glibc malloc_trim) between conversion phases, so
+    one phase's freed buffers do not stay in RSS under the next phase's peak."""
+    global _libc
+    if not _ENABLED:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
