@@ -223,7 +223,8 @@ def row(r: dict) -> str:
             f"{(r['peak_anon'] - r['baseline_anon']) / mib:.0f} / {r['peak_file'] / mib:.0f} MiB | {r['load']} |")
 
 
-HEADER = ("| format | size | largest tensor | `cp -r` | convert | time ratio (<= 2x) | CPU s cp / convert | "
+HEADER = ("| format | size | largest tensor | `cp -r` | convert | time ratio (<= 2x legacy, 3x torch_dist) | "
+          "CPU s cp / convert | "
           "peak RSS (VmHWM) | "
           "baseline RSS after imports | peak - baseline (<= 2x) | peak anon above baseline / peak file-backed | "
           "load avg before -> after |\n|" + " --- |" * 12)
