@@ -1,7 +1,7 @@
 """Conversion wall time vs `cp -r` and peak RSS vs the largest tensor, on synthetic legacy / torch_dist checkpoints.
 
 python benchmarks/bench_convert.py [--format legacy|torch_dist|both] [--gib 2.2] [--vocab 4096] [--repeat 1]
-                                   [--workdir DIR]
+                                   [--workdir DIR] [--before SRC_TREE]
 
 Writes a checkpoint of about --gib GiB (EP4, 32 SequentialMLP experts of hidden 1024 / ffn 2048 per MoE
 layer, fp32, word embeddings [--vocab, 1024] and an untied output layer of the same shape; Megatron's key
@@ -9,7 +9,10 @@ names and args fields): legacy = `iter_*/mp_rank_00_{ep:03d}/model_optim_rng.pt`
 it at TP1 EP4, torch_dist = megatron `dist_checkpointing.save` of the global keys with one chunk per
 (layer, expert) and the fc1 GLU halves as separate chunks, as megatron-core's SequentialMLP shards them.
 Then, --repeat times: `cp -r` of it, and `convert_to_proxy.py` to EP2=2, K=16 in a child process that
-reports its baseline RSS after imports, VmHWM, and sampled peaks of RssAnon / RssFile. One row per run.
+reports its baseline RSS after imports, VmHWM, and sampled peaks of RssAnon / RssFile. One row per run,
+then per format the ratios against the targets (conversion <= 2x `cp -r` for legacy, <= 3x for torch_dist;
+peak RSS above the import baseline <= 2x the largest tensor). --before SRC_TREE (e.g. `git archive` of an
+older commit unpacked) also converts with that tree's code right after each run, on the same checkpoint.
 """
 import argparse
 import json
@@ -179,20 +182,24 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_one(fmt: str, src: str, work: str, largest: int) -> dict:
-    """One `cp -r` and one conversion of `src`; the row's figures."""
+def run_one(fmt: str, src: str, work: str, largest: int, code: str = REPO, cp: tuple = None) -> dict:
+    """One `cp -r` (or the given `cp` = (seconds, CPU seconds)) and one conversion of `src` with the
+    mindspeed_proxy of tree `code`; the row's figures."""
     copy, proxy = os.path.join(work, "copy"), os.path.join(work, "proxy")
     os.sync()
     load_before = _load()
-    t0, c0 = time.perf_counter(), _child_cpu()
-    subprocess.run(["cp", "-r", src, copy], check=True)
-    cp_s, cp_cpu = time.perf_counter() - t0, _child_cpu() - c0
-    os.sync()
-    shutil.rmtree(copy)
+    if cp is None:
+        t0, c0 = time.perf_counter(), _child_cpu()
+        subprocess.run(["cp", "-r", src, copy], check=True)
+        cp = (time.perf_counter() - t0, _child_cpu() - c0)
+        os.sync()
+        shutil.rmtree(copy)
+    cp_s, cp_cpu = cp
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([code] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", fmt, "--load", src, "--save", proxy,
                            "--target-expert-parallel-size", "2", "--target-num-experts", "16"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     conv_s, conv_cpu = time.perf_counter() - t0, _child_cpu() - c0
     line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
     if proc.returncode or not line:
@@ -200,8 +207,8 @@ def run_one(fmt: str, src: str, work: str, largest: int) -> dict:
     mem = json.loads(line[0][6:])
     out_size = folder_bytes(proxy)
     shutil.rmtree(proxy)
-    return dict(mem, fmt=fmt, size=folder_bytes(src), out_size=out_size, cp_s=cp_s, conv_s=conv_s, largest=largest,
-                cp_cpu=cp_cpu, conv_cpu=conv_cpu,
+    return dict(mem, fmt=fmt if code == REPO else f"{fmt} (before)", size=folder_bytes(src), out_size=out_size,
+                cp_s=cp_s, conv_s=conv_s, largest=largest, cp_cpu=cp_cpu, conv_cpu=conv_cpu,
                 load=f"{load_before} -> {_load()}")
 
 
@@ -216,10 +223,26 @@ def row(r: dict) -> str:
             f"{(r['peak_anon'] - r['baseline_anon']) / mib:.0f} / {r['peak_file'] / mib:.0f} MiB | {r['load']} |")
 
 
-HEADER = ("| format | size | largest tensor | `cp -r` | convert | time ratio (<= 2x) | CPU s cp / convert | "
+HEADER = ("| format | size | largest tensor | `cp -r` | convert | time ratio (<= 2x legacy, 3x torch_dist) | "
+          "CPU s cp / convert | "
           "peak RSS (VmHWM) | "
           "baseline RSS after imports | peak - baseline (<= 2x) | peak anon above baseline / peak file-backed | "
           "load avg before -> after |\n|" + " --- |" * 12)
+
+
+TIME_TARGET = {"legacy": 2.0, "torch_dist": 3.0}
+
+
+def summary(fmt: str, rows: list) -> str:
+    """The ratios of this tree's runs of `fmt` against the targets, one line."""
+    times = [r["conv_s"] / r["cp_s"] for r in rows]
+    cpu = [r["conv_cpu"] / max(r["cp_cpu"], 1e-3) for r in rows]
+    mem = [(r["hwm"] - r["baseline"]) / r["largest"] for r in rows]
+    verdict = lambda values, limit: "met" if max(values) <= limit else "NOT met"  # noqa: E731
+    return (f"{fmt}: time ratio convert / cp -r {', '.join(f'{x:.2f}x' for x in times)} (target <= "
+            f"{TIME_TARGET[fmt]:.0f}x: {verdict(times, TIME_TARGET[fmt])}); CPU-time ratio "
+            f"{', '.join(f'{x:.2f}x' for x in cpu)}; peak RSS above baseline / largest tensor "
+            f"{', '.join(f'{x:.2f}x' for x in mem)} (target <= 2x: {verdict(mem, 2.0)})")
 
 
 def main() -> None:
@@ -233,9 +256,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096, help="rows of the embedding / output layer (x 1024 fp32)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--before", default=None, metavar="SRC_TREE",
+                   help="also convert with the mindspeed_proxy of this source tree after each run (comparison)")
     a = p.parse_args()
     formats = ["legacy", "torch_dist"] if a.format == "both" else [a.format]
     print(HEADER, flush=True)
+    runs: dict = {}
     for fmt in formats:
         work = tempfile.mkdtemp(dir=a.workdir, prefix="bench-convert-")
         try:
@@ -251,9 +277,15 @@ def main() -> None:
                 raise SystemExit(proc.stderr[-4000:])
             largest = int(proc.stdout.strip().splitlines()[-1])
             for _ in range(a.repeat):
-                print(row(run_one(fmt, src, work, largest)), flush=True)
+                runs.setdefault(fmt, []).append(run_one(fmt, src, work, largest))
+                print(row(runs[fmt][-1]), flush=True)
+                if a.before:
+                    cp = (runs[fmt][-1]["cp_s"], runs[fmt][-1]["cp_cpu"])
+                    print(row(run_one(fmt, src, work, largest, os.path.abspath(a.before), cp)), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    for fmt, rows in runs.items():
+        print(summary(fmt, rows))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class SourceHasher:
     """SHA-256 of every source file, computed on a background thread while the plan is made and the
     proxy written (hashlib and file reads release the GIL), instead of as a separate pass."""
 
-    def __init__(self, paths: list, block: int = 8 << 20):
+    def __init__(self, paths: list, block: int = 1 << 20):
         self.hashes: dict = {}
         self._error: Optional[BaseException] = None
         self._stop = threading.Event()
@@ -136,6 +136,7 @@ def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: C
 
 def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, hasher):
     plan = make_plan(ckpt, options, progress=_progress("clustering"))
+    pages.trim_heap()
     echo(describe(plan))
     if dry_run:
         echo("dry run: nothing written")
@@ -148,15 +149,18 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             from mindspeed_proxy.proxy.hf_verify import verify_hf
 
             write_hf(ckpt, plan, tmp)
+            pages.trim_heap()
             verification = verify_hf(ckpt, plan, tmp)
         elif ckpt.format == "torch_dist":
             from mindspeed_proxy.proxy.dist_io import write_dist
             from mindspeed_proxy.proxy.verify import verify_dist
 
             write_dist(ckpt, plan, plan.new_args, tmp)
+            pages.trim_heap()
             verification = verify_dist(ckpt, plan, tmp)
         else:
             write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
+            pages.trim_heap()
             verification = verify_legacy(ckpt, plan, tmp)
         write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
         if os.path.exists(save):

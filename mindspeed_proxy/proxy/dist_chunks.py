@@ -175,6 +175,42 @@ class ChunkReader:
         self._last = (None, None)
 
 
+def layer_row_groups(reader: ChunkReader, key: str, layer: Optional[int], num_experts: int):
+    """Lists of `num_experts` memory-mapped tensors, one per expert, each list the same stored region of
+    every expert of `layer` (None: a per-layer key [E, ...]) in tensor `key`: one list per region of the
+    stored chunk grid, mapped only while it is in use. Returns None (nothing read) if the chunks do not
+    tile the experts as a grid (each region stored for every expert exactly once)."""
+    a = 0 if layer is None else 1
+    stored = [(o, s) for o, s in reader.chunks(key) if layer is None or o[0] <= layer < o[0] + s[0]]
+    regions: dict = {}
+    for o, s in stored:
+        regions.setdefault((o[a + 1:], s[a + 1:]), []).append((o, s))
+    shape = tuple(reader.metadata.state_dict_metadata[key].size)
+    if sum(_numel(s) for o, s in regions) != _numel(shape[a + 1:]):
+        return None
+    for group in regions.values():
+        group.sort(key=lambda c: c[0][a])
+        starts = [o[a] for o, _ in group]
+        ends = [o[a] + s[a] for o, s in group]
+        if starts[0] != 0 or ends[-1] != num_experts or starts[1:] != ends[:-1]:
+            return None
+    return _row_groups(reader, key, layer, [regions[r] for r in sorted(regions)])
+
+
+def _row_groups(reader: ChunkReader, key: str, layer: Optional[int], groups: list):
+    a = 0 if layer is None else 1
+    for group in groups:
+        rows = []
+        for o, s in group:
+            chunk = reader.read(key, o)
+            if layer is not None:
+                chunk = chunk[layer - o[0]]
+            rows += [chunk[j] for j in range(s[a])]
+        reader.forget()
+        yield rows
+        del rows, chunk
+
+
 @dataclass(frozen=True)
 class OutChunk:
     """One chunk of a proxy tensor and where its content comes from in the source.

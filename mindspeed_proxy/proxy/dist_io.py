@@ -1,8 +1,9 @@
 """Read a torch_dist checkpoint (megatron-core `dist_checkpointing`) by global tensor and write a proxy of it.
 
-The source is read through torch.distributed.checkpoint metadata (global keys, shapes, stored chunks) and
-megatron-core's TorchDist load strategy, one layer slab `[1, E, ...]` of a stacked `decoder.layers.*`
-tensor at a time; the model is never built. The proxy is written with `dist_checkpointing.save` from a
+The source is read through torch.distributed.checkpoint metadata (global keys, shapes, stored chunks): the
+`weights` features and router rows chunk by chunk, memory-mapped (dist_chunks.ChunkReader); only the
+`outputs` features (and chunkings that are not a grid over the experts) read layer slabs `[1, E, ...]`
+through megatron-core's TorchDist load strategy. The model is never built. The proxy is written with `dist_checkpointing.save` from a
 single gloo process: the same global keys, the expert axis (axis 1 of the stacked expert and router
 tensors) cut from E to K, expert `_extra_state` objects renumbered, optimizer and RNG entries dropped.
 """
@@ -212,6 +213,7 @@ class DistCheckpoint:
         self.expert_keys = sorted(stacked_name(k) for k in self.sliced[moe[0]] if stacked_name(k).startswith(EXPERTS))
         self.layers = [MoELayer(0, "model", f"decoder.layers.{l}.mlp.", l) for l in moe]
         self._cache: dict = {}
+        self._reader = None
 
     def _check_sliced(self, moe: list) -> None:
         E, names = self.layout.num_experts, None
@@ -255,16 +257,56 @@ class DistCheckpoint:
                 for k, v in self.layer_slabs(layer).items() if k.startswith(EXPERTS)}
 
     def router(self, layer: MoELayer) -> dict:
-        """{'weight': [E, H], 'expert_bias'?: [E], 'bias'?: [E]} of `layer`."""
-        return {k[len(ROUTER):]: v for k, v in self.layer_slabs(layer).items() if k.startswith(ROUTER)}
+        """{'weight': [E, H], 'expert_bias'?: [E], 'bias'?: [E]} of `layer` (only the router's chunks read)."""
+        if layer in self._cache:
+            return {k[len(ROUTER):]: v for k, v in self._cache[layer].items() if k.startswith(ROUTER)}
+        reader, out = self.chunk_reader(), {}
+        for key in self.sliced[layer.global_layer]:
+            name = stacked_name(key)
+            if name.startswith(ROUTER):
+                shape = self.index.tensors[key][0]
+                if self.per_layer:
+                    out[name[len(ROUTER):]] = reader.region(key, (0,) * len(shape), shape).clone()
+                else:
+                    start = (layer.global_layer,) + (0,) * (len(shape) - 1)
+                    out[name[len(ROUTER):]] = reader.region(key, start, (1,) + tuple(shape[1:]))[0].clone()
+        reader.forget()
+        return out
+
+    def chunk_reader(self):
+        """A ChunkReader over this iteration's folder (created once)."""
+        if self._reader is None:
+            from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+
+            self._reader = ChunkReader(self.folder)
+        return self._reader
+
+    def expert_row_groups(self, layer: MoELayer):
+        """Lists of E tensors (one per expert) whose Grams sum to `layer`'s expert-weight Gram, one list per
+        stored chunk region, memory-mapped one region at a time; a key whose chunks do not tile the
+        experts as a grid is read as a layer slab instead."""
+        from mindspeed_proxy.proxy.dist_chunks import layer_row_groups
+
+        E = self.layout.num_experts
+        for key in self.sliced[layer.global_layer]:
+            if not stacked_name(key).startswith(EXPERTS):
+                continue
+            groups = layer_row_groups(self.chunk_reader(), key, None if self.per_layer else layer.global_layer, E)
+            if groups is None:
+                slab = self.layer_slabs(layer)[stacked_name(key)]
+                groups = [[slab[e] for e in range(E)]]
+            yield from groups
 
     def release(self) -> None:
         """Drop the cached layer."""
         self._cache = {}
+        if self._reader is not None:
+            self._reader.forget()
 
     def close(self) -> None:
         """Release caches and the process group this reader created."""
         self.release()
+        self._reader = None
         close_group()
 
     def file_paths(self) -> list:

@@ -2,7 +2,8 @@
 
 `weights` (data-free): each expert's flattened weights (all TP pieces) and its router row, compared by
 cosine similarity. The Gram matrix is accumulated over column blocks of the flattened weights, so
-only an E x block slice is ever materialised; weights and router row get equal say (each part is
+only an E x block slice is ever materialised (float32 products over 8192 columns at a time, summed in
+float64: ~1e-7 relative to the float64 Gram); weights and router row get equal say (each part is
 unit-normalised before they are combined).
 `outputs` and features FILEs give one vector per expert ([E, D]), compared by cosine similarity
 (`similarity_from_vectors`); a FILE is read and validated by `read_features_file`.
@@ -16,7 +17,8 @@ import torch
 
 from mindspeed_proxy.proxy import pages
 
-BLOCK_BYTES = 16 << 20  # the float64 block buffer (E x columns); source pages are dropped per block
+BLOCK_BYTES = 4 << 20  # the staging buffer (E x columns); source pages are dropped once copied into it
+PRODUCT_COLUMNS = 8192  # float32 products run over at most this many columns before float64 accumulation
 
 
 def _cosine(gram: np.ndarray) -> np.ndarray:
@@ -24,33 +26,89 @@ def _cosine(gram: np.ndarray) -> np.ndarray:
     return gram / np.outer(norms, norms)
 
 
-def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
-    """X Xᵀ (float64) for X whose row i is `rows[i]` flattened, accumulated one column block at a time."""
+def block_gram(block: np.ndarray, columns: int = PRODUCT_COLUMNS) -> np.ndarray:
+    """block @ blockᵀ as float64, from products over at most `columns` columns in the block's own dtype."""
+    out = np.zeros((block.shape[0], block.shape[0]))
+    for start in range(0, block.shape[1], columns):
+        part = block[:, start:start + columns]
+        out += part @ part.T  # float32: one BLAS syrk per slice; the running sum is float64
+    return out
+
+
+def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRODUCT_COLUMNS) -> np.ndarray:
+    """X Xᵀ (float64) for X whose row i is `rows[i]` flattened: column blocks gathered into one float32
+    buffer (float64 if a row is float64), multiplied in that dtype over `columns` columns at a time,
+    summed in float64. Rows memory-mapped from a registered checkpoint file are read with pread straight
+    into the buffer (their mapping is never touched); others are copied, their mapped pages dropped."""
     n = len(rows)
     flat = [r.reshape(-1) for r in rows]
     length = flat[0].numel()
     if any(f.numel() != length for f in flat):
         raise ValueError("experts of one layer have different sizes")
-    block = max(1, block_bytes // (8 * n))
-    gram = torch.zeros(n, n, dtype=torch.float64)
-    buffer = torch.empty(n, min(block, length), dtype=torch.float64)
-    for start in range(0, length, block):
-        chunk = buffer[:, :min(block, length - start)]
-        for i, f in enumerate(flat):
-            chunk[i].copy_(f[start:start + block])
-            pages.drop(f[start:start + block])  # memory-mapped source pages leave RSS once read
-        gram += chunk @ chunk.T
-    return gram.numpy()
+    dtype = torch.float64 if any(f.dtype == torch.float64 for f in flat) else torch.float32
+    block = max(1, min(length, block_bytes // (dtype.itemsize * n)))
+    gram = np.zeros((n, n))
+    buffer = torch.empty(n, block, dtype=dtype)
+    sources = pages.file_ranges(flat)
+    files: dict = {}
+    staging: dict = {}
+    try:
+        for path in {s[0] for s in sources if s}:
+            files[path] = os.open(path, os.O_RDONLY)
+        for start in range(0, length, block):
+            width = min(block, length - start)
+            for i, f in enumerate(flat):
+                row = buffer[i, :width]
+                if sources[i] is None:
+                    piece = f[start:start + width]
+                    row.copy_(piece)
+                    pages.drop(piece)  # memory-mapped source pages leave RSS once read
+                    continue
+                path, offset = sources[i]
+                target = row if f.dtype == dtype else staging.setdefault(f.dtype, torch.empty(block, dtype=f.dtype))[:width]
+                _pread(files[path], target, offset + start * f.element_size(), path)
+                if target is not row:
+                    row.copy_(target)
+            gram += block_gram(buffer[:, :width].numpy(), columns)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return gram
+
+
+def _pread(fd: int, target: torch.Tensor, offset: int, path: str) -> None:
+    """Fill contiguous `target` with the file's bytes at `offset`."""
+    view = memoryview(target.view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            from mindspeed_proxy.proxy.errors import ConversionError
+
+            raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
+        done += got
+
+
+def expert_row_groups(ckpt, layer):
+    """Lists of E same-shaped tensors (one per global expert) whose Grams sum to the layer's weight Gram:
+    the checkpoint's own `expert_row_groups` if it has one (torch_dist: one list per stored chunk
+    region), else one list per expert tensor name and TP rank."""
+    if hasattr(ckpt, "expert_row_groups"):
+        yield from ckpt.expert_row_groups(layer)
+        return
+    L = ckpt.layout
+    for tp in ([0] if L.tp_extend_ep else range(L.tp)):
+        names = sorted(n for n, v in ckpt.expert(layer, 0, tp).items() if isinstance(v, torch.Tensor))
+        for name in names:
+            yield [ckpt.expert(layer, g, tp)[name] for g in range(L.num_experts)]
 
 
 def weight_similarity(ckpt, layer) -> np.ndarray:
     """E x E cosine similarity of `layer`'s experts: flattened weights (+) router rows, equally weighted."""
     L = ckpt.layout
     gram = np.zeros((L.num_experts, L.num_experts))
-    for tp in ([0] if L.tp_extend_ep else range(L.tp)):
-        names = sorted(n for n, v in ckpt.expert(layer, 0, tp).items() if isinstance(v, torch.Tensor))
-        for name in names:
-            gram += streamed_gram([ckpt.expert(layer, g, tp)[name] for g in range(L.num_experts)])
+    for rows in expert_row_groups(ckpt, layer):
+        gram += streamed_gram(rows)
     router = ckpt.router(layer)["weight"].to(torch.float64)
     return similarity_from_parts([gram, (router @ router.T).numpy()])
 

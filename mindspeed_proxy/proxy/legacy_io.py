@@ -23,6 +23,7 @@ FILE = "model_optim_rng.pt"
 KEPT_FIELDS = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
                "num_floating_point_operations_so_far")
 SPILL_BYTES = 1 << 20
+WRITE_BYTES = 4 << 20  # a large record is written (and its mapped pages dropped) this many bytes at a time
 _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -294,10 +295,18 @@ class _DropAfterWrite:
         self.fh = fh
 
     def write(self, data) -> int:
-        """Write `data` fully; drop its pages."""
-        n = self.fh.write(data)
-        pages.drop_buffer(data)
-        return n
+        """Write `data` fully, WRITE_BYTES at a time, dropping each piece's pages once written."""
+        view = memoryview(data)
+        if not view.c_contiguous or view.nbytes <= WRITE_BYTES:
+            n = self.fh.write(data)
+            pages.drop_buffer(data)
+            return n
+        view = view.cast("B")
+        for start in range(0, len(view), WRITE_BYTES):
+            piece = view[start:start + WRITE_BYTES]
+            self.fh.write(piece)
+            pages.drop_buffer(piece)
+        return len(view)
 
     def flush(self) -> None:
         """Flush the underlying file."""

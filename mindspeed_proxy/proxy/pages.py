@@ -19,7 +19,7 @@ _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ENABLED = sys.platform.startswith("linux")
 _files: set = set()
-_ranges: list = []  # (start, end, path) of mappings of registered files
+_ranges: list = []  # (start, end, path, file offset) of mappings of registered files
 _last_refresh = [0.0]
 REFRESH_SECONDS = 0.02  # an address outside every known mapping re-reads /proc/self/maps at most this often
 _libc = None
@@ -49,17 +49,18 @@ def _refresh(force: bool = False) -> None:
                 parts = line.split(None, 5)
                 if len(parts) == 6 and parts[5].strip() in _files:
                     start, end = parts[0].split("-")
-                    _ranges.append((int(start, 16), int(end, 16), parts[5].strip()))
+                    _ranges.append((int(start, 16), int(end, 16), parts[5].strip(), int(parts[2], 16)))
     except OSError:
         pass
 
 
 def _mapping(start: int, end: int):
-    """The registered mapping holding [start, end), confirmed to still map that file, else None."""
-    for a, b, path in _ranges:
+    """The registered mapping (start, end, path, file offset) holding [start, end), confirmed to still map
+    that file, else None."""
+    for a, b, path, offset in _ranges:
         if a <= start and end <= b:
             try:
-                return (a, b) if os.readlink(f"/proc/self/map_files/{a:x}-{b:x}") == path else None
+                return (a, b, path, offset) if os.readlink(f"/proc/self/map_files/{a:x}-{b:x}") == path else None
             except OSError:
                 return None
     return None
@@ -77,6 +78,22 @@ def mapped(tensor) -> bool:
     if _mapping(start, end) is None:
         _refresh(force=True)
     return _mapping(start, end) is not None
+
+
+def file_ranges(tensors) -> list:
+    """For each tensor: (path, byte offset) where it starts in a registered file it is memory-mapped from
+    (contiguous tensors only; its bytes can then be read with pread instead of touching the mapping), else
+    None. /proc/self/maps is re-read first: an address range may since map another part of the same file."""
+    if not _ENABLED or not _files:
+        return [None] * len(tensors)
+    _refresh(force=True)
+    out = []
+    for t in tensors:
+        found = None
+        if t.numel() and t.is_contiguous() and t.device.type == "cpu":
+            found = _mapping(t.data_ptr(), t.data_ptr() + t.nbytes)
+        out.append(None if found is None else (found[2], found[3] + t.data_ptr() - found[0]))
+    return out
 
 
 def drop_range(address: int, nbytes: int) -> None:
@@ -116,3 +133,17 @@ def drop_buffer(buffer) -> None:
     import numpy as np
 
     drop_range(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data, view.nbytes)
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the kernel (glibc malloc_trim) between conversion phases, so
+    one phase's freed buffers do not stay in RSS under the next phase's peak."""
+    global _libc
+    if not _ENABLED:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
