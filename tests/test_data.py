@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -176,8 +175,9 @@ def test_validate_data_prefix_errors(tmp_path, prefix):
 _WORKER = textwrap.dedent("""
     import json, sys, torch
     from mindspeed_proxy import data as D
-    rank, cache, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    rank, cache, out, store = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    # file rendezvous: no TCP port to race for with tests running beside this one (pytest-xdist)
+    torch.distributed.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
     prefix = D.default_corpus_prefix(cache)  # both ranks race to build the corpus
     train, valid = D.build_gpt_datasets(prefix, 32, seed=7, num_train_samples=40,
                                         num_valid_samples=4, cache_dir=cache)
@@ -190,16 +190,17 @@ _WORKER = textwrap.dedent("""
 
 
 def test_inside_gloo_group(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(cache),
-                               str(tmp_path / f"r{r}.json")], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(cache), str(tmp_path / f"r{r}.json"),
+                               str(tmp_path / "store")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    try:
+        outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    finally:  # a rank left waiting for a failed peer must not outlive the test
+        for p in procs:
+            p.kill()
+            p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
     assert r0 == r1
