@@ -125,6 +125,7 @@ class SourceHasher:
 
 def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable):
     pages.register(*ckpt.file_paths())  # source pages read through mmap are dropped once used
+    pages.pin_mmap_threshold()  # staging buffers leave RSS when freed
     hasher = None if dry_run else SourceHasher(ckpt.file_paths())
     try:
         return _write(ckpt, save, options, dry_run, echo, hasher)

@@ -16,6 +16,7 @@ import sys
 import time
 
 _MADV_DONTNEED = 4
+_M_MMAP_THRESHOLD = -3
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ENABLED = sys.platform.startswith("linux")
 _files: set = set()
@@ -98,7 +99,6 @@ def file_ranges(tensors) -> list:
 
 def drop_range(address: int, nbytes: int) -> None:
     """Drop the whole pages of [address, address + nbytes) if they lie in a registered file mapping."""
-    global _libc
     if not _ENABLED or not _files or nbytes <= 0:
         return
     start = -(-address // _PAGE) * _PAGE
@@ -109,10 +109,7 @@ def drop_range(address: int, nbytes: int) -> None:
         _refresh()
         if _mapping(start, end) is None:
             return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise(start, end - start, _MADV_DONTNEED)
+    _load_libc().madvise(start, end - start, _MADV_DONTNEED)
 
 
 def drop(*tensors) -> None:
@@ -135,15 +132,30 @@ def drop_buffer(buffer) -> None:
     drop_range(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data, view.nbytes)
 
 
-def trim_heap() -> None:
-    """Hand the C heap's free memory back to the kernel (glibc malloc_trim) between conversion phases, so
-    one phase's freed buffers do not stay in RSS under the next phase's peak."""
+def pin_mmap_threshold(nbytes: int = 128 << 10) -> None:
+    """Fix glibc's mmap threshold (mallopt M_MMAP_THRESHOLD): every block of `nbytes` or more is its own
+    mapping, returned to the kernel when freed. Without it glibc raises the threshold after the first such
+    free, and later staging buffers come from the heap, where they may stay in RSS (0-16 MiB measured)."""
+    libc = _load_libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
+def _load_libc():
     global _libc
     if not _ENABLED:
-        return
+        return None
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    trim = getattr(_libc, "malloc_trim", None)
+    return _libc
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the kernel (glibc malloc_trim) between conversion phases, so
+    one phase's freed buffers do not stay in RSS under the next phase's peak."""
+    libc = _load_libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim(0)

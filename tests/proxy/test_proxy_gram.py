@@ -176,6 +176,7 @@ from mindspeed_proxy.proxy.dist_io import DistCheckpoint
 import numpy, torch.distributed.checkpoint
 ckpt = DistCheckpoint(root)
 pages.register(*ckpt.file_paths())
+pages.pin_mmap_threshold()  # as convert._convert does
 def status():
     out = {}
     for line in open("/proc/self/status"):
