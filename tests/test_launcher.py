@@ -1,0 +1,77 @@
+"""The multi-rank test launcher: ranks forked from the preloading fork server see the caller's streams,
+environment, cwd and sys.path, report failures, and compute bit for bit what fresh interpreters compute."""
+import os
+import sys
+
+import pytest
+
+from mindspeed_proxy.testing import DistributedTestError, run_distributed
+from mindspeed_proxy.testing.batches import synthetic_microbatches
+from mindspeed_proxy.testing.parallel import init_parallel
+
+
+def what_a_rank_sees(tag):
+    """Print to both streams and return the caller-side state a rank must inherit."""
+    import torch.distributed as dist
+
+    print(f"out-{tag}-{dist.get_rank()}", flush=True)
+    print(f"err-{tag}-{dist.get_rank()}", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("LAUNCHER_TEST_VALUE"), "cwd": os.getcwd(), "path": list(sys.path),
+            "world": dist.get_world_size(), "pid": os.getpid()}
+
+
+def fail_on_rank_one(how):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "raise":
+            raise ValueError("rank one refuses")
+        os._exit(7)
+    return True
+
+
+def train_steps():
+    """Five steps of the tiny MoE at EP=2: losses and grad norms."""
+    from mindspeed_proxy.layout_init import global_init
+    from mindspeed_proxy.tiny_moe import TinyMoEConfig
+    from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
+
+    init_parallel(ep=2)
+    model_cfg, train_cfg = TinyMoEConfig(num_layers=2), TrainConfig(micro_batch_size=2, global_batch_size=4)
+    trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=3))
+    out = []
+    for it in range(5):
+        result = trainer.train_step(synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64,
+                                                           model_cfg.vocab_size))
+        out.append((result["loss"], result["grad_norm"]))
+    return out
+
+
+def test_ranks_see_the_callers_streams_env_cwd_and_path(tmp_path, capfd, monkeypatch):
+    with capfd.disabled():  # the fork server starts (if it has not) outside this test's capture, as it would
+        run_distributed(what_a_rank_sees, 1, "warm")
+    monkeypatch.setenv("LAUNCHER_TEST_VALUE", "late")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = run_distributed(what_a_rank_sees, 2, "now")
+    captured = capfd.readouterr()
+    for rank in range(2):
+        assert f"out-now-{rank}" in captured.out and f"err-now-{rank}" in captured.err
+        assert seen[rank]["env"] == "late" and seen[rank]["cwd"] == str(tmp_path)
+        assert seen[rank]["path"][0] == str(tmp_path) and seen[rank]["world"] == 2
+    assert seen[0]["pid"] != seen[1]["pid"] != os.getpid()
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failing_rank_is_reported(how):
+    expected = "rank one refuses" if how == "raise" else "exit code 7"
+    with pytest.raises(DistributedTestError, match=expected):
+        run_distributed(fail_on_rank_one, 2, how, timeout=120)
+
+
+def test_forked_ranks_train_bit_identically_to_fresh_interpreters(monkeypatch):
+    forked = run_distributed(train_steps, 2)
+    monkeypatch.setenv("MINDSPEED_PROXY_SPAWN", "1")
+    spawned = run_distributed(train_steps, 2)
+    assert forked == spawned and forked[0] == forked[1]
+    assert all(loss == loss for loss, _ in forked[0])  # finite numbers, not an empty run
