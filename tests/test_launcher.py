@@ -49,7 +49,7 @@ def train_steps():
 
 def test_ranks_see_the_callers_streams_env_cwd_and_path(tmp_path, capfd, monkeypatch):
     with capfd.disabled():  # the fork server starts (if it has not) outside this test's capture, as it would
-        run_distributed(what_a_rank_sees, 1, "warm")
+        run_distributed(fail_on_rank_one, 1, "raise")  # rank 0 returns, prints nothing
     monkeypatch.setenv("LAUNCHER_TEST_VALUE", "late")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
