@@ -66,7 +66,7 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
                     continue
                 path, offset = sources[i]
                 target = row if f.dtype == dtype else staging.setdefault(f.dtype, torch.empty(block, dtype=f.dtype))[:width]
-                _pread(files[path], target, offset + start * f.element_size(), path)
+                pages.pread_into(files[path], target, offset + start * f.element_size(), path)
                 if target is not row:
                     row.copy_(target)
             gram += block_gram(buffer[:, :width].numpy(), columns)
@@ -74,19 +74,6 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
         for fd in files.values():
             os.close(fd)
     return gram
-
-
-def _pread(fd: int, target: torch.Tensor, offset: int, path: str) -> None:
-    """Fill contiguous `target` with the file's bytes at `offset`."""
-    view = memoryview(target.view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            from mindspeed_proxy.proxy.errors import ConversionError
-
-            raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
-        done += got
 
 
 def expert_row_groups(ckpt, layer):

@@ -23,7 +23,6 @@ FILE = "model_optim_rng.pt"
 KEPT_FIELDS = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
                "num_floating_point_operations_so_far")
 SPILL_BYTES = 1 << 20
-WRITE_BYTES = 4 << 20  # a large record is written (and its mapped pages dropped) this many bytes at a time
 _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -287,36 +286,10 @@ class _Spill:
         return out
 
 
-class _DropAfterWrite:
-    """The file object torch.save writes through: each record's bytes go to `fh`, then the pages they
-    were read from (a memory-mapped source or scratch file) leave this process's RSS."""
-
-    def __init__(self, fh):
-        self.fh = fh
-
-    def write(self, data) -> int:
-        """Write `data` fully, WRITE_BYTES at a time, dropping each piece's pages once written."""
-        view = memoryview(data)
-        if not view.c_contiguous or view.nbytes <= WRITE_BYTES:
-            n = self.fh.write(data)
-            pages.drop_buffer(data)
-            return n
-        view = view.cast("B")
-        for start in range(0, len(view), WRITE_BYTES):
-            piece = view[start:start + WRITE_BYTES]
-            self.fh.write(piece)
-            pages.drop_buffer(piece)
-        return len(view)
-
-    def flush(self) -> None:
-        """Flush the underlying file."""
-        self.fh.flush()
-
-
 def save_streaming(state: dict, path: str) -> None:
     """torch.save `state` to `path`, dropping each memory-mapped tensor's pages once it is written."""
     with open(path, "wb") as fh:
-        torch.save(state, _DropAfterWrite(fh))
+        torch.save(state, pages.DropAfterWrite(fh))
 
 
 def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, progress=None) -> list:

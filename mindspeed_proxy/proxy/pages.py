@@ -17,6 +17,7 @@ import time
 
 _MADV_DONTNEED = 4
 _M_MMAP_THRESHOLD = -3
+WRITE_BYTES = 4 << 20  # DropAfterWrite writes a large record (and drops its mapped pages) this many bytes at a time
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ENABLED = sys.platform.startswith("linux")
 _files: set = set()
@@ -97,6 +98,24 @@ def file_ranges(tensors) -> list:
     return out
 
 
+def pread_into(fd: int, target, offset: int, path: str) -> None:
+    """Fill contiguous `target` (a tensor or a writable buffer) with the file's bytes at `offset`; a file
+    that ends first raises ConversionError naming it."""
+    if hasattr(target, "view") and hasattr(target, "numpy"):
+        import torch
+
+        target = target.view(torch.uint8).numpy()
+    view = memoryview(target).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            from mindspeed_proxy.proxy.errors import ConversionError
+
+            raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
+        done += got
+
+
 def drop_range(address: int, nbytes: int) -> None:
     """Drop the whole pages of [address, address + nbytes) if they lie in a registered file mapping."""
     if not _ENABLED or not _files or nbytes <= 0:
@@ -130,6 +149,32 @@ def drop_buffer(buffer) -> None:
     import numpy as np
 
     drop_range(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data, view.nbytes)
+
+
+class DropAfterWrite:
+    """A binary file wrapper for writers that are handed memory-mapped bytes (torch.save, DCP): each write
+    goes to `fh` WRITE_BYTES at a time and the pages each piece was read from (a registered source or
+    scratch file) leave RSS once written. Everything else is the file's own."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data) -> int:
+        """Write `data` fully, dropping each piece's pages once written."""
+        view = memoryview(data)
+        if not view.c_contiguous or view.nbytes <= WRITE_BYTES:
+            n = self.fh.write(data)
+            drop_buffer(data)
+            return n
+        view = view.cast("B")
+        for start in range(0, len(view), WRITE_BYTES):
+            piece = view[start:start + WRITE_BYTES]
+            self.fh.write(piece)
+            drop_buffer(piece)
+        return len(view)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
 
 
 def pin_mmap_threshold(nbytes: int = 128 << 10) -> None:

@@ -193,18 +193,41 @@ def _numel(sizes) -> int:
 
 
 def equal_in_blocks(a, b, block: int = 4 << 20) -> bool:
-    """bit_equal for tensors, compared `block` bytes at a time with each block's memory-mapped pages
-    dropped once compared (so a large pair never sits in memory whole)."""
+    """bit_equal for tensors, compared `block` bytes at a time: read with pread into two buffers when both
+    are memory-mapped from registered checkpoint files (their mappings never touched), else with each
+    block's mapped pages dropped once compared (so a large pair never sits in memory whole)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.nbytes <= block:
         return bit_equal(a, b)
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    sources = pages.file_ranges([a, b])
+    if all(sources):
+        return _equal_in_files(sources, a.nbytes, block)
     x, y = a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
     for start in range(0, x.numel(), block):
         if not torch.equal(x[start:start + block], y[start:start + block]):
             return False
         pages.drop(x[start:start + block], y[start:start + block])
     return True
+
+
+def _equal_in_files(sources, nbytes: int, block: int) -> bool:
+    """The `nbytes` bytes at two (path, offset) places are equal, read `block` bytes at a time."""
+    fds, bufs = [], [bytearray(min(block, nbytes)) for _ in sources]
+    try:
+        for path, _ in sources:
+            fds.append(os.open(path, os.O_RDONLY))
+        for start in range(0, nbytes, block):
+            n = min(block, nbytes - start)
+            for fd, buf, (path, offset) in zip(fds, bufs, sources):
+                pages.pread_into(fd, memoryview(buf)[:n], offset + start, path)
+            same = bufs[0] == bufs[1] if n == len(bufs[0]) else bufs[0][:n] == bufs[1][:n]  # memcmp
+            if not same:
+                return False
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _verify_common(ckpt, plan, folder, common) -> None:

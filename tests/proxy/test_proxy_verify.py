@@ -137,3 +137,53 @@ def test_pages_drop_only_registered_file_mappings(tmp_path):
     finally:
         pages.unregister_all()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_equal_in_blocks_reads_mapped_files_without_touching_the_mappings(tmp_path):
+    """Two tensors memory-mapped from registered files are compared by pread, block by block: equal ones
+    pass with none of their pages resident, a byte changed in a later block (or a slice starting elsewhere)
+    fails."""
+    from mindspeed_proxy.proxy.verify import equal_in_blocks
+
+    data = torch.randn(3 << 18, generator=torch.Generator().manual_seed(0))  # 3 MiB
+    paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    for p in paths:
+        torch.save({"w": data}, p)
+    pages.register(*map(str, paths))
+    try:
+        a, b = (torch.load(p, mmap=True, weights_only=True)["w"] for p in paths)
+        assert all(pages.file_ranges([a, b]))
+        before = [_mapped_rss(t) for t in (a, b)]
+        assert equal_in_blocks(a, b, block=1 << 18)
+        after = [_mapped_rss(t) for t in (a, b)]
+        assert after == before and max(after) < a.nbytes // 8, (before, after)  # pread: mappings untouched
+        assert not equal_in_blocks(a[1:], b[:-1], block=1 << 18)
+        c = b.clone()
+        c[(5 << 16) + 3] += 1  # in the 6th block of 256 KiB
+        _flip_bytes_like(paths[1], b, c)
+        b2 = torch.load(paths[1], mmap=True, weights_only=True)["w"]
+        assert not equal_in_blocks(a, b2, block=1 << 18) and not torch.equal(a, b2)
+        assert equal_in_blocks(a[:5 << 16], b2[:5 << 16], block=1 << 18)  # the blocks before it are equal
+    finally:
+        pages.unregister_all()
+
+
+def _flip_bytes_like(path, old, new):
+    """Rewrite the stored bytes of `old` (memory-mapped from `path`) in place with those of `new`."""
+    (file, offset), = pages.file_ranges([old])
+    with open(file, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(new.numpy().tobytes())
+
+
+def _mapped_rss(t) -> int:
+    """Resident bytes of the mapping that holds `t`'s first byte (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= t.data_ptr() < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("tensor not in any mapping")
