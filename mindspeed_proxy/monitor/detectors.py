@@ -5,7 +5,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 METHODS = ("median_mad", "ema")
 DIRECTIONS = ("down", "up")

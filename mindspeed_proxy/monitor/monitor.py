@@ -14,27 +14,12 @@ from typing import Optional
 import torch
 
 from mindspeed_proxy.monitor import reductions as R
-from mindspeed_proxy.monitor.config import STAT_NAMES, MonitorConfig
+from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import DetectorBank
 from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
-from mindspeed_proxy.monitor.mla_layout import (
-    TP_GATHERED,
-    attention_terms,
-    mla_increment_singular_values,
-    mla_layout_of,
-    mla_qk_blocks,
-    mla_read,
-    sharded_rows,
-)
-from mindspeed_proxy.monitor.qk_layout import group_shared_keys, layernorm_scale, layout_of, qk_blocks
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
-from mindspeed_proxy.monitor.spectral import (
-    qk_increment_spectra,
-    singular_values_from_gram,
-    spectral_stats,
-    update_gram,
-)
+from mindspeed_proxy.monitor.spectral_family import SpectralFamilies
 from mindspeed_proxy.monitor.targets import collect
 
 logger = logging.getLogger(__name__)
@@ -43,7 +28,6 @@ STATISTICS = ("router", "attention-spectral", "update-spectral", "expert-feature
 ROUTER_WEIGHT_KEYS = ("similarity", "conditioning_ratio", "row_norm_mean", "row_norm_max")
 ROUTER_SUMMARY_KEYS = ("entropy", "normalized_entropy", "load_entropy", "normalized_load_entropy",
                        "max_over_mean", "dead_experts", "overload", "margin")
-NSTAT = len(STAT_NAMES)
 
 
 def _model_config(chunk):
@@ -52,15 +36,7 @@ def _model_config(chunk):
     return chunk.config
 
 
-def _stats_vector(sigma: torch.Tensor, matrix_dim: int, from_gram: bool = False) -> torch.Tensor:
-    # σ from a Gram's eigenvalues carry an absolute error ~eps·σ_max², i.e. values below
-    # sqrt(n·eps)·σ_max are noise: count the numerical rank above that floor, not SVD's n·eps.
-    tol = (matrix_dim * torch.finfo(sigma.dtype).eps) ** 0.5 if from_gram else None
-    stats = spectral_stats(sigma, matrix_dim=matrix_dim, rank_tol=tol)
-    return torch.stack([stats[name] for name in STAT_NAMES], dim=-1).float()
-
-
-class MechanismMonitor:
+class MechanismMonitor(SpectralFamilies):
     """The mechanism monitor of one training job (construct on every rank, same config everywhere)."""
 
     def __init__(self, config, model, optimizer=None, process_groups: Optional[R.MonitorGroups] = None,
@@ -235,204 +211,6 @@ class MechanismMonitor:
         except Exception:
             self._fail("router")
         stats.reset()
-
-    # ---------------------------------------------------------------- spectral families
-    def _take_snapshots(self) -> None:
-        self._qk_grams = {}  # Grams of the previous snapshot's blocks; after_optimizer_step may set new ones
-        target_device = torch.device("cpu") if self.config.snapshot_on_cpu else None
-        for w in self.targets.weights:
-            self.snapshots[("w", w.layer, w.slot)] = w.read().detach().to(device=target_device,
-                                                                           dtype=torch.float32, copy=True)
-        for a in self.targets.attention:
-            if a.mla:  # MLA: every projection and latent-norm scale (mla_layout)
-                zc = self.model_config.layernorm_zero_centered_gamma
-                for name, value in mla_read(a.mla, a.module, zc).items():
-                    self.snapshots[("mla", a.layer, name)] = value.detach().to(device=target_device,
-                                                                             dtype=torch.float32, copy=True)
-                continue
-            for name, mod in (("q", a.module.q_layernorm), ("k", a.module.k_layernorm)):
-                scale = layernorm_scale(mod, self.model_config.layernorm_zero_centered_gamma)
-                if scale is not None:
-                    self.snapshots[(name, a.layer)] = scale.detach().to(device=target_device,
-                                                                        dtype=torch.float32, copy=True)
-            if ("w", a.layer, 0) not in self.snapshots:
-                self.snapshots[("w", a.layer, 0)] = a.read_qkv().detach().to(
-                    device=target_device, dtype=torch.float32, copy=True)
-
-    def weights_loaded(self) -> None:
-        """The weights were replaced (a checkpoint load): retake the snapshots held, so no ΔW spans the load."""
-        if self.snapshots:
-            self._take_snapshots()
-
-    def bytes_held(self) -> int:
-        """Bytes of the fp32 weight snapshots this rank holds."""
-        return sum(s.numel() * s.element_size() for s in self.snapshots.values())
-
-    def _spectral_step(self, iteration: int) -> None:
-        if not self.snapshots:  # no W_{t-δ} yet (monitor started or resumed mid-interval): same on all ranks
-            return
-        t, g, cfg = self.targets, self.groups, self.config
-        terms = cfg.qk_terms
-        update_table = torch.zeros(t.num_layers, len(t.slots), NSTAT + 1, device=self.device)
-        attn_table = torch.zeros(t.num_layers, t.num_heads, len(attention_terms(terms, self.model_config)),
-                                 NSTAT + 1, device=self.device)
-        if "update-spectral" not in self.disabled:
-            self._update_spectra(update_table)
-        if "attention-spectral" not in self.disabled:
-            self._attention_spectra(attn_table)
-        flat = torch.cat([update_table.view(-1), attn_table.view(-1)])
-        R.share_model_table(flat, g)
-        update_table = flat[:update_table.numel()].view_as(update_table)
-        attn_table = flat[update_table.numel():].view_as(attn_table)
-        self._agree(None)
-        if "update-spectral" not in self.disabled:
-            self._guarded("update-spectral", self._publish_update, iteration, update_table)
-        if "attention-spectral" not in self.disabled:
-            self._guarded("attention-spectral", self._publish_attention, iteration, attn_table)
-
-    def _guarded(self, statistic: str, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            self._fail(statistic)
-
-    def _update_spectra(self, table: torch.Tensor) -> None:
-        g = self.groups
-        grams = {"tp": [], "etp": [], None: []}
-        entries = []
-        for w in self.targets.weights:
-            snap = self.snapshots.get(("w", w.layer, w.slot))
-            try:
-                current = w.read().detach().float()
-                delta = current - snap.to(current.device)
-                gram = update_gram(delta, w.parallel_mode)
-            except Exception:
-                self._fail("update-spectral")
-                shape = self._gram_shape(w)
-                gram = torch.zeros(shape, device=self.device)
-            key = None if w.parallel_mode is None else ("etp" if w.expert_parallel else "tp")
-            grams[key].append(gram)
-            entries.append((w, gram, key))
-        R.all_reduce_grams(grams["tp"], g.tp)
-        R.all_reduce_grams(grams["etp"], g.etp)
-        try:
-            for w, gram, _ in entries:
-                owned = (g.etp_rank == 0) if w.expert_parallel else g.owns_replicated
-                if not owned:
-                    continue
-                sigma = singular_values_from_gram(gram)
-                table[w.layer, w.slot, :NSTAT] = _stats_vector(sigma, gram.shape[-1], from_gram=True)
-                table[w.layer, w.slot, NSTAT] = 1.0
-        except Exception:
-            self._fail("update-spectral")
-
-    def _gram_shape(self, w) -> tuple:
-        out_dim, in_dim = w.read().shape
-        side = in_dim if w.parallel_mode == "column" or (w.parallel_mode is None and in_dim <= out_dim) else out_dim
-        return (side, side)
-
-    def _attention_spectra(self, table: torch.Tensor) -> None:
-        g, terms = self.groups, self.config.qk_terms
-        heads_filter = self.config.heads
-        for a in self.targets.attention:
-            if a.mla:
-                self._mla_spectra(a, table)
-                continue
-            layout = layout_of(a.module)
-            weight = a.read_qkv().detach()
-            snap = self.snapshots.get(("w", a.layer, 0))
-            if layout.needs_full_weight:  # collectives stay outside the guard, fixed shapes
-                weight = R.gather_tp(weight.float(), g)
-                snap = R.gather_tp(snap.to(weight.device) if snap is not None else torch.zeros_like(
-                    a.module.linear_qkv.weight, dtype=torch.float32), g)
-            try:
-                zc = self.model_config.layernorm_zero_centered_gamma
-                q_new = layernorm_scale(a.module.q_layernorm, zc)
-                k_new = layernorm_scale(a.module.k_layernorm, zc)
-                wq_new, wk_new = qk_blocks(weight.float(), layout, q_new, k_new)
-                wq_old, wk_old = qk_blocks(snap.to(weight.device).float(), layout,
-                                           self.snapshots.get(("q", a.layer)), self.snapshots.get(("k", a.layer)))
-                heads = torch.tensor(layout.local_heads(), device=self.device)
-                if heads_filter is not None:
-                    keep = torch.tensor([h in heads_filter for h in layout.local_heads()], device=self.device)
-                    heads, wq_new, wk_new, wq_old, wk_old = (x[keep] for x in (heads, wq_new, wk_new, wq_old, wk_old))
-                if not R.head_owner(g):
-                    continue
-                blocks = (wq_old, wk_old, wq_new, wk_new)
-                if heads_filter is None:  # GQA: one key block (and key Gram) per group
-                    blocks = group_shared_keys(*blocks, layout)
-                cached = self._qk_grams.get(a.layer)
-                reuse = cached is not None and cached[1] < self.config.qk_gram_reuse
-                sigmas, grams = qk_increment_spectra(*blocks, terms, cached[0] if reuse else None)
-                self._qk_pending[a.layer] = (grams, cached[1] + 1 if reuse else 0)
-                for ti, term in enumerate(terms):
-                    sigma = sigmas[term].flatten(0, -2)
-                    table[a.layer, heads, ti, :NSTAT] = _stats_vector(sigma, weight.shape[-1])
-                    table[a.layer, heads, ti, NSTAT] = 1.0
-            except Exception:
-                self._fail("attention-spectral")
-
-    def _mla_spectra(self, a, table: torch.Tensor) -> None:
-        """Content and RoPE QK-increment spectra of one MLA layer (mla_layout); RoPE terms after the content ones."""
-        g, terms, zc = self.groups, self.config.qk_terms, self.model_config.layernorm_zero_centered_gamma
-        layout = mla_layout_of(a.module)
-        new = {k: v.detach().float() for k, v in mla_read(a.mla, a.module, zc).items()}
-        old = {k: self.snapshots.get(("mla", a.layer, k)) for k in new}
-        for k in TP_GATHERED:  # latent rows split over TP: all-gather, outside the guard, fixed shapes
-            if k in new and sharded_rows(k, new[k], layout):
-                snap = old[k].to(new[k].device) if old[k] is not None else torch.zeros_like(new[k])
-                new[k], old[k] = R.gather_tp(new[k], g), R.gather_tp(snap, g)
-        try:
-            local = layout.local_heads()
-            keep = [i for i, h in enumerate(local) if self.config.heads is None or h in self.config.heads]
-            if not R.head_owner(g) or not keep:
-                return
-            old = {k: v.to(self.device) for k, v in old.items()}
-            parts = mla_qk_blocks(old, new, layout, torch.tensor(keep, device=self.device))
-            heads = torch.tensor([local[i] for i in keep], device=self.device)
-            for pi, part in enumerate(("content", "rope")):
-                for ti, term in enumerate(terms):
-                    sigma = mla_increment_singular_values(*parts[part], term=term)
-                    col = pi * len(terms) + ti
-                    table[a.layer, heads, col, :NSTAT] = _stats_vector(sigma, self.model_config.hidden_size)
-                    table[a.layer, heads, col, NSTAT] = 1.0
-        except Exception:
-            self._fail("attention-spectral")
-
-    def _publish_update(self, iteration: int, table: torch.Tensor) -> None:
-        host = table.tolist()
-        records, per_layer = {}, {}
-        for layer, rows in enumerate(host):
-            rec = {self.targets.slots[s]: dict(zip(STAT_NAMES, row[:NSTAT]))
-                   for s, row in enumerate(rows) if row[NSTAT] > 0}
-            if rec:
-                records[layer] = rec
-                for slot, stats in rec.items():
-                    for stat, value in stats.items():
-                        per_layer.setdefault(f"{slot}/{stat}", {})[layer] = value
-        self._publish("update-spectral", iteration, records, per_layer, self.spectral_detectors)
-
-    def _publish_attention(self, iteration: int, table: torch.Tensor) -> None:
-        present = table[..., NSTAT] > 0  # [L, H, T]
-        counts = present.sum(dim=1).clamp_min(1)
-        means = (table[..., :NSTAT] * present.unsqueeze(-1)).sum(dim=1) / counts.unsqueeze(-1)  # [L, T, S]
-        any_layer = present.any(dim=(1, 2)).tolist()
-        records, per_layer = {}, {}
-        host_means = means.tolist()
-        host_heads = table.tolist() if self.config.per_head_records else None
-        for layer, has in enumerate(any_layer):
-            if not has:
-                continue
-            rec = {}
-            for ti, term in enumerate(attention_terms(self.config.qk_terms, self.model_config)):
-                rec[term] = {"mean": dict(zip(STAT_NAMES, host_means[layer][ti]))}
-                if host_heads is not None:
-                    rec[term]["heads"] = {h: dict(zip(STAT_NAMES, host_heads[layer][h][ti][:NSTAT]))
-                                          for h in range(self.targets.num_heads) if host_heads[layer][h][ti][NSTAT] > 0}
-                for stat, value in rec[term]["mean"].items():
-                    per_layer.setdefault(f"{term}/{stat}", {})[layer] = value
-            records[layer] = rec
-        self._publish("attention-spectral", iteration, records, per_layer, self.spectral_detectors)
 
     # ---------------------------------------------------------------- rl family
     def on_rl_step(self, iteration: int, per_layer: dict) -> None:

@@ -18,7 +18,7 @@ Rules that keep ranks matched and results identical everywhere:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from mindspeed_proxy.monitor import MechanismMonitor, MonitorConfig
 from mindspeed_proxy.patches.router_hooks import attach_router_hooks
@@ -34,7 +35,7 @@ def monitored_run(tp=1, ep=1, pp=1, steps=4, num_layers=2, layer_freq=1, out_dir
     if fail_on_rank is not None:
         import torch.distributed as dist
 
-        from mindspeed_proxy.monitor import monitor as monitor_module
+        from mindspeed_proxy.monitor import spectral_family as monitor_module  # where the spectral steps look them up
 
         if dist.get_rank() == fail_on_rank:
             def broken(*args, **kwargs):
@@ -47,11 +48,22 @@ def monitored_run(tp=1, ep=1, pp=1, steps=4, num_layers=2, layer_freq=1, out_dir
         batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), model_cfg.seq_length,
                                          model_cfg.vocab_size)
         losses.append(trainer.train_step(batches, iteration=it + 1)["loss"])
+    grams = sum(t.numel() * t.element_size() for cached, _ in monitor._qk_grams.values() for t in _tensors(cached))
+    snapshots = sum(s.numel() * s.element_size() for s in monitor.snapshots.values())
+    assert monitor.bytes_held() >= snapshots + grams and (grams > 0) == bool(monitor._qk_grams)
     result = {"last": json.loads(json.dumps(monitor.last)), "bytes": monitor.bytes_held(),
               "disabled": sorted(monitor.disabled), "losses": losses,
               "gram_reuses": {layer: reuses for layer, (_, reuses) in monitor._qk_grams.items()}}
     monitor.close()
     return result
+
+
+def _tensors(obj):
+    """The tensors nested in tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else []
+    return [t for item in items for t in _tensors(item)]
 
 
 def flatten(obj, prefix=""):
