@@ -94,3 +94,34 @@ def test_bad_grid_is_refused_before_any_training(tmp_path):
     assert out.returncode == 2 and out.stderr.count("error:") == 1
     assert "proxy:nofault,original" in out.stderr and "lowp-attention" in out.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_reuse_only_with_the_same_settings(tmp_path):
+    """--reuse keeps a work dir's results only when it recorded the same settings; otherwise they are removed
+    and everything runs (a changed pinned env or monitor config file counts)."""
+    import shutil
+
+    from mindspeed_proxy.experiments import Matrix
+    from mindspeed_proxy.experiments.matrix import load_config
+
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "examples" / "configs", configs)
+    cfg = load_config(configs / "fault_matrix.yaml")
+    work = tmp_path / "work"
+    result = work / "runs" / "original_none.result.json"
+
+    def fake_results():
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.write_text("{}")
+
+    assert Matrix(cfg, work, REPO, reuse=True).reuse is False  # nothing recorded yet
+    fake_results()
+    assert Matrix(cfg, work, REPO, reuse=True).reuse is True and result.is_file()
+    changed = load_config(configs / "fault_matrix.yaml")
+    changed["env"] = {**changed["env"], "ATEN_CPU_CAPABILITY": "default"}
+    assert Matrix(changed, work, REPO, reuse=True).reuse is False and not result.exists()
+    fake_results()
+    assert Matrix(changed, work, REPO, reuse=True).reuse is True
+    monitor = configs / "fault_matrix_monitor.yaml"
+    monitor.write_text(monitor.read_text() + "\n# edited\n")
+    assert Matrix(changed, work, REPO, reuse=True).reuse is False and not result.exists()

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     cached = m.work / "e4" / "result.json"
     if a.no_e4:
         e4_data = None
-    elif a.reuse and cached.is_file() and json.loads(cached.read_text())["config"] == cfg["e4"]:
+    elif m.reuse and cached.is_file() and json.loads(cached.read_text())["config"] == cfg["e4"]:
         e4_data = json.loads(cached.read_text())
         progress(f"E4: reusing {cached}")
     else:
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
              "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "kept": m.convert_info.get("kept"),
              "steal": steal_fraction(cpu_start, cpu_times()),
              "warmup": None if m.warmup_result is None else m.warmup_result.to_dict(),
-             "reuse": a.reuse, "folder": os.path.basename(os.path.splitext(a.doc)[0]) if a.doc else "fault_matrix"}
+             "reuse": m.reuse, "folder": os.path.basename(os.path.splitext(a.doc)[0]) if a.doc else "fault_matrix"}
     page = tables.markdown(cfg, data, e4_data, extra)
     if a.doc:
         dest = os.path.splitext(a.doc)[0]

@@ -8,6 +8,7 @@ models, warm-up and run lengths, fault specs, the monitor config, the divergence
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shlex
@@ -120,8 +121,24 @@ def torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
             "--master-port", str(free_port()), "-m", "mindspeed_proxy.run", script, *args]
 
 
+SETTINGS_FILE = "settings.sha256"
+NUMERIC_KEYS = ("train_args", "original", "proxy", "warmup", "run", "faults", "env")
+
+
+def settings_fingerprint(cfg: dict) -> str:
+    """SHA-256 of every setting that decides the runs' numbers: trainer flags, models, warm-up and run
+    lengths, fault specs, the pinned environment and the monitor config file's bytes."""
+    numeric = {k: cfg.get(k) for k in NUMERIC_KEYS}
+    monitor = cfg.get("monitor_config")
+    numeric["monitor_config"] = (hashlib.sha256(Path(monitor).read_bytes()).hexdigest()
+                                 if monitor and Path(monitor).is_file() else monitor)
+    return hashlib.sha256(json.dumps(numeric, sort_keys=True, default=str).encode()).hexdigest()
+
+
 class Matrix:
-    """Builds and runs the experiment described by a loaded config under `work_dir`."""
+    """Builds and runs the experiment described by a loaded config under `work_dir`. With `reuse`, the
+    warm-up, the finished runs and E4 results found there are reused only if the work dir records the same
+    settings (`settings_fingerprint`); otherwise its earlier results are removed and everything runs."""
 
     def __init__(self, cfg: dict, work_dir, root, progress: Progress | None = None, reuse: bool = False):
         self.cfg, self.work, self.root = cfg, Path(work_dir).resolve(), Path(root).resolve()
@@ -133,6 +150,22 @@ class Matrix:
         self.env = cfg.get("env") or {}  # pinned threads and kernel code paths of every launched process
         self.warmup_result: RunResult | None = None
         self.convert_info: dict = {}
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        import shutil
+
+        marker, fingerprint = self.work / SETTINGS_FILE, settings_fingerprint(self.cfg)
+        recorded = marker.read_text().strip() if marker.is_file() else None
+        if recorded != fingerprint:
+            if self.reuse:
+                self.progress(f"--reuse: {self.work} holds results of other settings (or unrecorded ones): "
+                              "running everything again")
+            self.reuse = False
+            for stale in (self.work / "runs", self.warm_ckpt.parent, self.work / "e4"):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        marker.write_text(fingerprint + "\n")
 
     # ------------------------------------------------------------------ stages
     def model_args(self, model: str) -> list[str]:
