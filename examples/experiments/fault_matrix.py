@@ -19,6 +19,7 @@ import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,6 +33,7 @@ def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import proxy_fidelity as pf  # examples/experiments/proxy_fidelity.py
+    import proxy_fidelity_eval as pfe
 
     from mindspeed_proxy.testing import run_distributed
 
@@ -41,10 +43,15 @@ def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned eval ranks: megatron's CPU-only notices
     count, ev = (0, c["count_samples"]), (c["count_samples"], c["count_samples"] + c["eval_samples"])
 
+    converting = threading.Lock()  # conversions run in this process: its stdout redirect and page registry are global
+
     def loss(job):
         name, experts, extra, count_range = job
-        pf.convert(src, str(work / name), experts, extra)
-        out = run_distributed(pf.evaluate, 1, str(work / name), experts, iters, count_range, ev, timeout=900)[0]
+        with converting:
+            pf.convert(src, str(work / name), experts, extra)
+        job = {"name": name, "ckpt": str(work / name), "num_experts": experts, "eval_range": ev,
+               "count_range": count_range}
+        out = run_distributed(pfe.evaluate_many, 1, [job], iters, timeout=900)[0][0]
         progress(f"E4 {name}: eval loss {out['loss']:.4f}")
         return out
 
@@ -63,7 +70,7 @@ def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
             {"k": k, "selection": "most-used (usage counts)", "loss": used}]
     desc = (f"Held-out data: the trainer's valid split (disjoint documents); usage counted on valid samples "
             f"[{count[0]}, {count[1]}), eval loss = token-weighted mean LM loss on [{ev[0]}, {ev[1]}) "
-            f"({c['eval_samples'] * 64} tokens), functions of examples/experiments/proxy_fidelity.py; the original "
+            f"({c['eval_samples'] * 64} tokens), functions of examples/experiments/proxy_fidelity_eval.py; the original "
             f"is the warm-up checkpoint resharded to EP=1 with all {n} experts.")
     return {"rows": rows, "description": desc}
 
