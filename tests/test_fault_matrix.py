@@ -1,4 +1,4 @@
-"""The fault matrix's --quick mode on a reduced grid: healthy original, original and proxy under lowp-attention.
+"""The fault matrix's --quick mode on a reduced grid: healthy original, original and proxy under lowp-attention, and E4.
 
 Real pipeline end to end: warm-up of the 16-expert original on 2 ranks at EP=2, `convert_to_proxy.py` to 4
 experts at EP=1, fine-tuning runs through `torchrun -m mindspeed_proxy.run examples/train_moe.py` with the
@@ -22,7 +22,7 @@ GRID = "original:none,original:lowp-attention,proxy:lowp-attention"
 def test_quick_matrix_alerts_on_the_faulted_pair_and_not_on_the_healthy_run(tmp_path):
     doc = tmp_path / "fm.md"
     cmd = [sys.executable, str(REPO / "examples" / "experiments" / "fault_matrix.py"), "--quick", "--grid", GRID,
-           "--no-e4", "--work-dir", str(tmp_path / "work"), "--doc", str(doc), "--iters", "150", "--warmup-iters", "100"]
+           "--work-dir", str(tmp_path / "work"), "--doc", str(doc), "--iters", "150", "--warmup-iters", "100"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -47,8 +47,12 @@ def test_quick_matrix_alerts_on_the_faulted_pair_and_not_on_the_healthy_run(tmp_
     assert runs["original_none"]["ranks"] == 2 and runs["proxy_lowp-attention"]["ranks"] == 1
     assert all(r["cpu_s"] > 0 for r in runs.values())
     page = doc.read_text()
-    for heading in ("## E1 lead time", "## E2 orthogonality", "## E3 proxy consistency", "## Cost"):
+    for heading in ("## E1 lead time", "## E2 orthogonality", "## E3 proxy consistency", "## E4 capability", "## Cost"):
         assert heading in page
+    e4 = {row["selection"].split(" ")[0]: row for row in res["e4"]["rows"]}  # held-out eval of 1+1+3+1 checkpoints
+    assert set(e4) == {"original", "clustered", "random,", "most-used"} and len(e4["random,"]["all"]) == 3
+    assert all(2.0 < row["loss"] < 8.0 for row in e4.values())  # token-weighted LM losses, not NaN or zero
+    assert e4["original"]["loss"] < min(e4["random,"]["all"])  # all 16 experts beat every random 4
     assert re.search(r"\| none \| original \| — \| 0 \| 0 \| 0 \| none \| 0 \| met \(0 alerts\) \|", page)
     e3 = res["comparisons"]["lowp-attention"]
     assert e3["a"]["first_alert_step"] == runs["original_lowp-attention"]["summary"]["first_alert"]["step"]
