@@ -75,3 +75,16 @@ def test_forked_ranks_train_bit_identically_to_fresh_interpreters(monkeypatch):
     spawned = run_distributed(train_steps, 2)
     assert forked == spawned and forked[0] == forked[1]
     assert all(loss == loss for loss, _ in forked[0])  # finite numbers, not an empty run
+
+
+def parent_pid():
+    return os.getppid()
+
+
+def test_a_different_numeric_env_starts_fresh_interpreters(monkeypatch):
+    """Settings read when torch / MKL load (determinism.NUMERIC_ENV) cannot reach a rank forked from the
+    server that imported them: such ranks are spawned by the caller itself instead."""
+    monkeypatch.delenv("MINDSPEED_PROXY_SPAWN", raising=False)
+    forked = run_distributed(parent_pid, 1)[0]
+    spawned = run_distributed(parent_pid, 1, env={"MKL_CBWR": "COMPATIBLE"})[0]
+    assert forked != os.getpid() and spawned == os.getpid()

@@ -43,7 +43,9 @@ def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the spawned eval ranks: megatron's CPU-only notices
     count, ev = (0, c["count_samples"]), (c["count_samples"], c["count_samples"] + c["eval_samples"])
 
-    converting = threading.Lock()  # conversions run in this process: its stdout redirect and page registry are global
+    # conversions run in this process, whose stdout redirect and page registry are global: one at a time, and
+    # progress lines wait for them (printed during one, they would land in its captured output)
+    converting = threading.Lock()
 
     def loss(job):
         name, experts, extra, count_range = job
@@ -52,7 +54,8 @@ def e4(matrix, cfg: dict, progress, workers: int = 1) -> dict:
         job = {"name": name, "ckpt": str(work / name), "num_experts": experts, "eval_range": ev,
                "count_range": count_range}
         out = run_distributed(pfe.evaluate_many, 1, [job], iters, timeout=900)[0][0]
-        progress(f"E4 {name}: eval loss {out['loss']:.4f}")
+        with converting:
+            progress(f"E4 {name}: eval loss {out['loss']:.4f}")
         return out
 
     progress(f"E4: eval loss on valid samples [{ev[0]}, {ev[1]}) ...")

@@ -36,14 +36,11 @@ def stats_vector(sigma: torch.Tensor, matrix_dim: int, from_gram: bool = False) 
     return torch.stack([stats[name] for name in STAT_NAMES], dim=-1).float()
 
 
-def _tensor_bytes(value) -> int:
+def _tensors(value) -> list:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item)]
 
 
 class SpectralFamilies:
@@ -79,7 +76,8 @@ class SpectralFamilies:
 
     def bytes_held(self) -> int:
         """Bytes this rank holds between samples: the fp32 weight snapshots and the cached QK Gram blocks."""
-        return _tensor_bytes(self.snapshots) + _tensor_bytes(self._qk_grams) + _tensor_bytes(self._qk_pending)
+        held = {id(t): t for t in _tensors([self.snapshots, self._qk_grams, self._qk_pending])}  # the two Gram
+        return sum(t.numel() * t.element_size() for t in held.values())  # caches may be one dict after a sample
 
     def _spectral_step(self, iteration: int) -> None:
         if not self.snapshots:  # no W_{t-δ} yet (monitor started or resumed mid-interval): same on all ranks

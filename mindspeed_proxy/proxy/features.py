@@ -65,7 +65,9 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
                     pages.drop(piece)  # memory-mapped source pages leave RSS once read
                     continue
                 path, offset = sources[i]
-                target = row if f.dtype == dtype else staging.setdefault(f.dtype, torch.empty(block, dtype=f.dtype))[:width]
+                if f.dtype != dtype and f.dtype not in staging:
+                    staging[f.dtype] = torch.empty(block, dtype=f.dtype)
+                target = row if f.dtype == dtype else staging[f.dtype][:width]
                 pages.pread_into(files[path], target, offset + start * f.element_size(), path)
                 if target is not row:
                     row.copy_(target)

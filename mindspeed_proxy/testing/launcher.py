@@ -11,6 +11,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from mindspeed_proxy.determinism import NUMERIC_ENV
+
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the child's traceback."""
@@ -24,20 +26,27 @@ def free_port() -> int:
 
 
 _PRELOAD = "mindspeed_proxy.testing.preload"
-_ctx: list = []
+_ctx: list = []  # (the fork server's context, the numeric env it started with)
+# read by torch / MKL / OpenBLAS / Python when they load, i.e. once in the fork server; OMP_NUM_THREADS is left
+# out: every rank runs one thread (the server imports torch with 1, _child sets 1)
+_LOAD_TIME_ENV = tuple(k for k in NUMERIC_ENV if k != "OMP_NUM_THREADS")
 
 
-def _context():
+def _context(env: dict):
     """A fork server that has imported torch and megatron-core once (mindspeed_proxy.testing.preload):
     ranks fork from it in ~0.1 s instead of spending ~5 s CPU each importing them; its process state
-    never changes (nothing runs there but the imports). MINDSPEED_PROXY_SPAWN=1 starts fresh interpreters."""
+    never changes (nothing runs there but the imports). Ranks whose numeric env (`_LOAD_TIME_ENV`, caller's
+    env + `env`) differs from the server's start fresh interpreters, as does MINDSPEED_PROXY_SPAWN=1."""
     if os.environ.get("MINDSPEED_PROXY_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    wanted = {k: None if v is None else str(v) for k, v in
+              ((k, env[k] if k in env else os.environ.get(k)) for k in _LOAD_TIME_ENV)}
     if not _ctx:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([_PRELOAD])
-        _ctx.append(ctx)
-    return _ctx[0]
+        _ctx.append((ctx, wanted))
+    ctx, started_with = _ctx[0]
+    return ctx if wanted == started_with else mp.get_context("spawn")
 
 
 class _StdStreams:
@@ -113,7 +122,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     the process group are destroyed after `fn`. Raises DistributedTestError with the first child
     traceback if any rank fails, dies or exceeds `timeout` seconds; every child is ended first.
     """
-    ctx = _context()
+    ctx = _context(env or {})
     results = ctx.Queue()
     port = free_port()
     payload = pickle.dumps((fn, args, kwargs))

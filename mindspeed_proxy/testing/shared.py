@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Callable
 
 from filelock import FileLock
@@ -21,11 +22,12 @@ def built_once(path: str, build: Callable[[], object]) -> str:
     """Run `build()` (which writes `path`) unless a finished build of `path` exists; return `path`.
 
     A file lock beside `path` makes concurrent callers wait for the one that builds; a build that raised
-    leaves no marker, so the next caller builds again.
+    leaves no marker, so the next caller removes what it wrote and builds again.
     """
     marker = path + ".built"  # beside, not inside: tests hash and list the folder
     with FileLock(path + ".lock"):
         if not os.path.exists(marker):
+            shutil.rmtree(path, ignore_errors=True)  # a failed build's partial output must not be resumed
             build()
             open(marker, "w").close()
     return path
