@@ -6,7 +6,6 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
 from pathlib import Path
 
 import numpy
@@ -56,12 +55,9 @@ def test_default_corpus_builds_and_is_reused(cache, prefix):
     assert all(f.is_file() for f in files)
     assert Path(prefix).parent.parent == cache
     mtimes = [f.stat().st_mtime_ns for f in files]
-    t0 = time.perf_counter()
     again = D.default_corpus_prefix(str(cache))
-    elapsed = time.perf_counter() - t0
     assert again == prefix
-    assert [f.stat().st_mtime_ns for f in files] == mtimes
-    assert elapsed < 1.0, elapsed
+    assert [f.stat().st_mtime_ns for f in files] == mtimes  # reused, not rebuilt (its speed: not a test's job)
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]  # temp dir renamed away
 
     m = D.load_corpus_manifest(prefix)

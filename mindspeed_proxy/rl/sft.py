@@ -22,9 +22,9 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.rollout import data_parallel_slice, evaluate
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.tasks import sft_batch, step_prompts
-    from mindspeed_proxy.rl.train import finish, phase, setup
+    from mindspeed_proxy.rl.train import phase, setup
     from mindspeed_proxy.training import checkpointing as C
-    from mindspeed_proxy.training.loop import MetricsWriter, resolve_log_dir
+    from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir
 
     args, task, trainer, _ = setup(argv, prog, rl=False)
     rank0 = torch.distributed.get_rank() == 0
@@ -55,7 +55,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank0:
             print(f" saved {args.ckpt_format} checkpoint at iteration {args.train_iters} to {args.save}")
     metrics.close()
-    finish(args)
+    finish_distributed(args)
     return 0
 
 

@@ -67,7 +67,6 @@ def setup(argv, prog: str, rl: bool = True):
 
             monitor_config = monitor_config_from_args(args, default_output_dir(resolve_log_dir(args)))
         load_format = C.checkpoint_format(args.load) if args.load else None
-        args.owns_process_group = not torch.distributed.is_initialized()
         init_distributed(args)
     except ValueError as exc:
         fail(prog, str(exc))
@@ -100,13 +99,6 @@ def setup(argv, prog: str, rl: bool = True):
                 print(f"{prog}: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
     return args, task, trainer, faults
-
-
-def finish(args) -> None:
-    """End a run this process started: all ranks meet, then the process group goes (gloo can abort at exit)."""
-    if getattr(args, "owns_process_group", False):
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 def active(faults, name: str, step: int):
@@ -260,7 +252,7 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.update import GRPOEngine
     from mindspeed_proxy.rl.weights import snapshot
     from mindspeed_proxy.training import checkpointing as C
-    from mindspeed_proxy.training.loop import MetricsWriter, resolve_log_dir
+    from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir
 
     args, task, trainer, faults = setup(argv, prog)
     rank0 = torch.distributed.get_rank() == 0
@@ -302,7 +294,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank0:
             print(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
-    finish(args)
+    finish_distributed(args)
     return 0
 
 

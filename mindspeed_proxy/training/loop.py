@@ -67,10 +67,13 @@ def _jsonable(value):
 
 
 def init_distributed(args) -> None:
-    """Activate the platform, start the process group, check the world and initialise parallel_state."""
+    """Activate the platform, start the process group, check the world and initialise parallel_state.
+
+    Sets `args.owns_process_group` when this call started the group (`finish_distributed` then ends it)."""
     from mindspeed_proxy import platform
     from mindspeed_proxy.testing.parallel import init_parallel
 
+    args.owns_process_group = not torch.distributed.is_initialized()
     platform.activate(args.device)
     if platform.current() == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or
@@ -85,6 +88,14 @@ def init_distributed(args) -> None:
     init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   ep=args.expert_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
                   seed=args.seed)
+
+
+def finish_distributed(args) -> None:
+    """End a process group `init_distributed` started: all ranks meet first, then it goes (a gloo rank whose
+    peer has already exited can abort at interpreter exit with "terminate called without an active exception")."""
+    if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _free_port_once() -> int:
@@ -200,4 +211,5 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     if monitor is not None:
         _print_rank0(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
+    finish_distributed(args)
     return 0
