@@ -25,8 +25,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +244,41 @@ def test_rows_for_absent_modules_do_not_crash_apply_patches(config_path):
     assert "\n" not in out["gate"] and "megatron.core.optimizer:get_megatron_optimizer" in out["gate"]
     assert "written for megatron-core <0.1" in out["gate"]
     assert "megatron.training" in out["unfiltered"]  # what registering it anyway does to MindSpeed's apply_patches
+
+
+def validation_errors(root):
+    """MindSpeedFeaturesManager.validate_features_args over our features: bad flags raise, a config passes."""
+    from argparse import Namespace
+
+    features_manager, _ = load_mindspeed(root)
+    from mindspeed_proxy.patches.mindspeed_feature import proxy_features
+
+    manager = features_manager.MindSpeedFeaturesManager
+    manager.set_features_list(proxy_features())
+    out = {}
+    for name, args in [("interval", Namespace(enable_mechanism_monitor=True, mechanism_monitor_interval="x")),
+                       ("fault", Namespace(inject_fault=["no-such-fault"]))]:
+        try:
+            manager.validate_features_args(args)
+        except ValueError as exc:
+            out[name] = str(exc)
+    manager.validate_features_args(Namespace(enable_mechanism_monitor=True, mechanism_monitor_interval="4"))
+    return out
+
+
+def test_validate_args_names_the_bad_flag():
+    out = run_distributed(validation_errors, 1, MINDSPEED)[0]
+    assert out["interval"] == "--mechanism-monitor-interval 'x': expected int"
+    assert out["fault"].startswith("--inject-fault 'no-such-fault': unknown fault 'no-such-fault'; known: ")
+
+
+def test_our_adaptor_first_leaves_megatron_unimported():
+    """MindSpeed applies its pre-patches before megatron is imported; ours must not import it ahead of them."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_mindspeed import load_mindspeed; load_mindspeed({MINDSPEED!r}); "
+            "sys.argv = ['train.py', '--enable-mechanism-monitor']; import mindspeed_proxy.megatron_adaptor; "
+            "from mindspeed.patch_utils import MindSpeedPatchesManager as pm; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'), len(pm.patches_info))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]", "3"]  # 3 rows waiting in the manager, no megatron module loaded
