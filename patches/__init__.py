@@ -1,43 +1,27 @@
 """The only code that touches torch / megatron-core / MindSpeed internals (installed as `mindspeed_proxy.patches`).
 
 `apply(config)` switches the mechanism monitor on for megatron-core training in this process: it
-applies the registry rows of the `mechanism-monitor` feature (or, when MindSpeed is importable,
-registers them by dotted path with MindSpeed's patch manager, which applies them with its own).
+applies the registry rows of the `mechanism-monitor` feature, or, when MindSpeed is importable,
+registers them by dotted path with MindSpeed's patch manager: MindSpeed applies them with its own when
+its adaptor is imported afterwards; when MindSpeed has applied its patches already, they are applied at
+once through the manager, so MindSpeed's decorator stacking holds. The MindSpeed feature-list route is
+`mindspeed_proxy.patches.mindspeed_feature`.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import Any, Optional
 
-from mindspeed_proxy.patches.registry import apply_feature, table
+from mindspeed_proxy.patches import watchdog
+from mindspeed_proxy.patches.mindspeed_manager import mindspeed_has_applied, mindspeed_manager, register_with_mindspeed
+from mindspeed_proxy.patches.registry import apply_feature
 from mindspeed_proxy.patches.runtime import RUNTIME
+
+__all__ = ["apply", "active_monitor", "register_with_mindspeed"]
 
 
 def _mindspeed_manager():
-    if importlib.util.find_spec("mindspeed") is None:
-        return None
-    try:
-        patch_utils = importlib.import_module("mindspeed.patch_utils")
-    except ImportError:
-        return None
-    return getattr(patch_utils, "MindSpeedPatchesManager", None) or getattr(patch_utils, "PatchesManager", None)
-
-
-def register_with_mindspeed(manager, feature: str) -> list[str]:
-    """Register every row of `feature` with MindSpeed's manager by dotted path; return the paths."""
-    done = []
-    for patch in table():
-        if patch.feature != feature:
-            continue
-        module, _, attr = patch.target.partition(":")
-        dotted = f"{module}.{attr}"
-        if patch.optional and importlib.util.find_spec(module.split(".")[0]) is None:
-            continue
-        # MindSpeed stacks a function whose name ends in "wrapper" as a decorator of the original
-        manager.register_patch(dotted, patch.build)
-        done.append(dotted)
-    return done
+    """MindSpeed's patch manager when MindSpeed is importable, else None."""
+    return mindspeed_manager()
 
 
 def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) -> list[str]:
@@ -72,6 +56,12 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) 
     done = []
     for feature in features:
         done += register_with_mindspeed(manager, feature) if manager is not None else apply_feature(feature)
+    if manager is not None:
+        RUNTIME.mindspeed_manager = manager
+        if mindspeed_has_applied(manager):
+            manager.apply_patches()  # re-applies only the patches our rows joined, MindSpeed's wrappers first
+    if enable_monitor:
+        watchdog.arm()
     return done
 
 

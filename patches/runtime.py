@@ -15,6 +15,7 @@ class MonitorRuntime:
         self.phase = "train"  # "rollout" / "recompute" in an RL loop: only "train" passes feed the router family
         self.tensorboard_writer = None
         self.wandb_writer = None
+        self.mindspeed_manager = None  # MindSpeed's patch manager when our rows went through it
 
     def current_step(self) -> int:
         """1-based number of the optimizer step in progress (or just finished, inside its step()).

@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -109,35 +108,44 @@ def test_list_prints_the_registry_table():
     assert "megatron.core.optimizer:get_megatron_optimizer" in proc.stdout and "applies" in proc.stdout
 
 
-def test_mindspeed_patch_manager_receives_dotted_paths(tmp_path):
-    """A stand-in of MindSpeed's documented patch-manager interface (MindSpeed needs CANN; not installable here)."""
-    pkg = tmp_path / "mindspeed"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "patch_utils.py").write_text(textwrap.dedent("""
-        class MindSpeedPatchesManager:
-            registered = []
+def plain_torch_optimizer_steps(enable):
+    """The monitor enabled (or not) in a loop whose optimizer is not Megatron's: two steps."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks as global_hooks
 
-            @staticmethod
-            def register_patch(orig_func_name, new_func=None, force_patch=False, create_dummy=False):
-                MindSpeedPatchesManager.registered.append((orig_func_name, new_func.__name__))
+    from mindspeed_proxy import patches
 
-            @staticmethod
-            def apply_patches():
-                raise AssertionError("MindSpeed applies its patches itself")
-    """))
-    code = textwrap.dedent("""
-        import json, megatron.core.optimizer as opt
-        before = opt.get_megatron_optimizer
-        import mindspeed_proxy.megatron_adaptor
-        from mindspeed.patch_utils import MindSpeedPatchesManager as pm
-        print(json.dumps({"registered": pm.registered, "untouched": opt.get_megatron_optimizer is before}))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code, "--enable-mechanism-monitor"], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["untouched"]
-    registered = dict(out["registered"])
-    assert registered["megatron.core.optimizer.get_megatron_optimizer"] == "get_megatron_optimizer_wrapper"
-    assert registered["megatron.core.transformer.moe.router.TopKRouter.routing"] == "router_routing_wrapper"
+    patches.apply({"sinks": []}, enable_monitor=enable)
+    hooks = len(global_hooks)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    return {"hooks_armed": hooks, "hooks_left": len(global_hooks)}
+
+
+@pytest.mark.parametrize("enable", [True, False], ids=["monitor-on", "monitor-off"])
+def test_monitor_that_cannot_attach_says_so_once(enable, capfd):
+    out = run_distributed(plain_torch_optimizer_steps, 1, enable)[0]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("mindspeed-proxy:")]
+    if not enable:  # nothing armed, nothing said
+        assert out == {"hooks_armed": 0, "hooks_left": 0} and lines == []
+        return
+    assert out == {"hooks_armed": 1, "hooks_left": 0}  # the check removes itself after the first step
+    assert len(lines) == 1, lines
+    assert "no monitor hook ran by the first optimizer step" in lines[0]
+    assert "not built by the patched megatron.core.optimizer.get_megatron_optimizer" in lines[0]
+
+
+def test_flags_from_a_pre_parse_that_did_not_know_them():
+    """MindSpeed's pre-parse keeps flags no feature registered as strings; the monitor feature types them."""
+    from argparse import Namespace
+
+    from mindspeed_proxy.monitor.arguments import monitor_config_from_args, monitor_flags_from
+
+    flags = monitor_flags_from(Namespace(enable_mechanism_monitor=True, mechanism_monitor_interval="4",
+                                         mechanism_monitor_delta="2", inject_fault="lr-spike:start=3,x=10"))
+    config = monitor_config_from_args(flags)
+    assert (config.interval, config.delta, flags.inject_fault) == (4, 2, "lr-spike:start=3,x=10")
+    with pytest.raises(ValueError, match="--mechanism-monitor-interval 'four': expected int"):
+        monitor_flags_from(Namespace(mechanism_monitor_interval="four"))

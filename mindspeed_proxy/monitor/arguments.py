@@ -8,7 +8,9 @@ from mindspeed_proxy.monitor.config import MonitorConfig
 
 
 def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --enable-mechanism-monitor and its companions to `parser`; return it."""
+    """Add --enable-mechanism-monitor and its companions to `parser` (a parser that has them is kept); return it."""
+    if "--enable-mechanism-monitor" in parser._option_string_actions:
+        return parser
     group = parser.add_argument_group("mechanism monitor (mindspeed-proxy)")
     group.add_argument("--enable-mechanism-monitor", action="store_true",
                        help="sample ΔW / Δ2 spectra and router health and raise mechanism alerts")
@@ -57,6 +59,24 @@ def monitor_flags_in(argv: list[str]) -> argparse.Namespace:
     parser = add_monitor_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
     return args
+
+
+def monitor_flags_from(args) -> argparse.Namespace:
+    """Our flags, typed, out of a namespace another parser filled (a pre-parse that did not know them keeps
+    `--mechanism-monitor-interval 4` as the string "4"; absent flags take their defaults)."""
+    parser = add_monitor_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    flags = parser.parse_args([])
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if value is None or action.dest == "help":
+            continue
+        if isinstance(value, str) and action.type is not None:
+            try:
+                value = action.type(value)
+            except ValueError:
+                raise ValueError(f"{action.option_strings[0]} {value!r}: expected {action.type.__name__}") from None
+        setattr(flags, action.dest, value)
+    return flags
 
 
 def default_output_dir(base: str) -> str:
