@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mindspeed-proxy-installed
 PYTEST_ARGS ?= --durations=15
+# the test files to run (e.g. in reverse order: TESTS="$$(find tests -name 'test_*.py' | sort -r)")
+TESTS ?= tests
 # pytest-xdist: one worker per core, whole files per worker (module fixtures build once; proxy checkpoints are
 # shared between workers through a file lock, mindspeed_proxy/testing/shared.py). XDIST= runs in one process.
 XDIST ?= -n auto --dist loadfile
@@ -27,10 +29,10 @@ rl-demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
 test: setup
-	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(TESTS)
 
 test-all: setup
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) $(TESTS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,6 +2,38 @@
 loading path, mask the original routers to the kept experts, and run a forward (pipelined when PP > 1)."""
 import torch
 
+TINY = ["--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--global-batch-size", "8",
+        "--micro-batch-size", "2"]
+# name: (world size, flags). "bias" = sigmoid scoring + aux-free expert bias + a shared expert.
+CONFIGS = {
+    "ep2_bias": (2, ["--expert-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "32",
+                     "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]),
+    "ep4": (4, ["--expert-model-parallel-size", "4"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # legacy GroupedMLP (bf16 only in megatron-core); layers 1 and 3 dense (--moe-layer-freq 2)
+    "grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--bf16", "--num-layers", "4",
+                    "--moe-layer-freq", "2"]),
+    # PP=2 with two virtual stages (model0/model1 chunks of one layer each), EP=2
+    "pp2_vpp": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1"]),
+}
+
+
+def model_flags(name: str) -> list:
+    """The trainer flags that describe checkpoint `name`'s model (without its parallel layout)."""
+    flags = CONFIGS[name][1]
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if flag in ("--expert-model-parallel-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                    "--num-layers-per-virtual-pipeline-stage"):
+            skip = True
+            continue
+        out.append(flag)
+    return TINY + out
+
 
 def load_model(root, cfg, tp, ep, fmt="torch", pp=1, etp=None):
     """This rank's model chunks with checkpoint `root` loaded through the real loading path (strict).

@@ -14,8 +14,7 @@ from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from conftest import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
-from helpers import forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
+from helpers import model_flags, forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
 from test_proxy_legacy import _first_losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from mindspeed_proxy.proxy.plan import Options, make_plan
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from conftest import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+from helpers import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+
 
 BASE = ["--target-expert-parallel-size", "1", "--target-num-experts", "4"]
 

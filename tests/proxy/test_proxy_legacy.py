@@ -12,8 +12,7 @@ from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from conftest import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
-from helpers import forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
+from helpers import model_flags, forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
 
 
 def _args(root):

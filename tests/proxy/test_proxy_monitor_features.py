@@ -11,7 +11,8 @@ from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from conftest import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+from helpers import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+
 
 BASE = ["--target-expert-parallel-size", "1", "--target-num-experts", "4", "--dry-run", "--representative", "usage"]
 
