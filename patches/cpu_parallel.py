@@ -78,12 +78,12 @@ def rows() -> list[tuple[str, object, bool, str]]:
         ("torch:cuda.get_device_capability", _capability, False, "torch"),
         ("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", _sequence_parallel_norm, True,
          "megatron-core"),
-        # get_device_arch_version: where it is defined (0.12-0.16: utils.py; 0.17+: utils/common_utils.py),
+        # get_device_arch_version: where it is defined (0.12-0.17: utils.py; 0.18+: utils/common_utils.py),
         # the package's re-export, and arguments.py's imported name (what validate_args calls).
         ("megatron.training.utils:get_device_arch_version", _arch_version, True, "megatron-lm"),
         ("megatron.training.utils.common_utils:get_device_arch_version", _arch_version, True, "megatron-lm"),
         ("megatron.training.arguments:get_device_arch_version", _arch_version, True, "megatron-lm"),
-        # validate_args: the defining module, and initialize.py's imported name (0.12-0.16).
+        # validate_args: the defining module, and initialize.py's imported name (0.12-0.17).
         ("megatron.training.arguments:validate_args", _one_hardware_queue, True, "megatron-lm"),
         ("megatron.training.initialize:validate_args", _one_hardware_queue, True, "megatron-lm"),
     ]

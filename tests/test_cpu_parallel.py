@@ -16,8 +16,8 @@ from mindspeed_proxy.patches import cpu_parallel
 from test_platform import run_py
 
 ARCH_TARGETS = {
-    "megatron.training.utils:get_device_arch_version",  # core_v0.12-0.16
-    "megatron.training.utils.common_utils:get_device_arch_version",  # core_v0.17+
+    "megatron.training.utils:get_device_arch_version",  # core_v0.12-0.17
+    "megatron.training.utils.common_utils:get_device_arch_version",  # core_v0.18+
     "megatron.training.arguments:get_device_arch_version",  # the name validate_args calls
 }
 
