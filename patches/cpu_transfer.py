@@ -15,7 +15,8 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
 - `moe_utils.te_general_gemm` defined as None when Transformer Engine is absent; an eager
   `grouped_gemm.ops.gmm` for the legacy GroupedMLP; the alltoall dispatcher's device-to-host copy
   of split sizes (a no-op on CPU that must still return numpy when asked).
-- `torch.cuda.get_device_capability()` -> (8, 0), the capability the eager fallbacks stand in for.
+- Device-property queries, CUDA_DEVICE_MAX_CONNECTIONS and the sequence-parallel torch norm that TP>1 /
+  CP>1 need: `mindspeed_proxy.patches.cpu_parallel` (rows of this feature).
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mindspeed_proxy.patches import cpu_parallel
 from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register
 
 FEATURE = "cpu-platform"
@@ -366,12 +368,10 @@ def _register_all() -> None:
         register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=""))
     register(Patch("torch.distributed:all_gather", _uneven_all_gather, FEATURE, versions=""))
     register(Patch("torch.distributed:reduce_scatter", _uneven_reduce_scatter, FEATURE, versions=""))
-    # `torch.cuda.get_device_capability()` raises on a CPU-only torch; Megatron-LM's validate_args
-    # asserts >= (8, 0) for --moe-grouped-gemm (grouped GEMM here is the eager CPUGroupedGemmOps /
-    # torch path). Answer (8, 0): what the eager fallbacks stand in for, below the 8.9 that FP8 paths
-    # and the 10.x that Blackwell-only paths (e.g. cuda_graphs) key on, so neither is enabled.
-    register(Patch("torch:cuda.get_device_capability", _const((8, 0)), FEATURE, versions="",
-                   description="CPU answers compute capability (8, 0): eager fallbacks only"))
+    versions = {"torch": "", "megatron-core": MEGATRON_CORE_SUPPORTED, "megatron-lm": MEGATRON_LM_SUPPORTED}
+    for target, build, optional, key in cpu_parallel.rows():
+        register(Patch(target, build, FEATURE, versions=versions[key], optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
     megatron_rows = [
         ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),
         ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _megatron_get_rng_state, False),

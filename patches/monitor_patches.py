@@ -8,6 +8,9 @@
 - `MoELayer.forward`: hands the MoE layer's input hidden states (after the pre-MLP norm) to
   `on_moe_input` for the expert-feature collector, on training forwards only (train mode, grad enabled, so
   a recomputed forward counts once; RUNTIME.phase "train"); nothing happens when the collector is off.
+- Megatron-LM's `load_checkpoint`: after a load the monitor retakes the weight snapshots it holds
+  (`weights_loaded`), so no ΔW spans the load. The monitor is built with the optimizer, before
+  Megatron-LM's `setup_model_and_optimizer` loads `--load`.
 - Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them).
 """
 from __future__ import annotations
@@ -106,6 +109,19 @@ def parse_args_wrapper(original):
     return parse_args
 
 
+def load_checkpoint_wrapper(original):
+    """Wrap Megatron-LM's load_checkpoint: the monitor retakes its weight snapshots after a load."""
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if RUNTIME.monitor is not None:
+            RUNTIME.monitor.weights_loaded()
+        return result
+
+    return load_checkpoint
+
+
 def register_all() -> None:
     """Add this feature's rows to the registry table."""
     rows = [
@@ -113,6 +129,8 @@ def register_all() -> None:
         ("megatron.training.training:get_megatron_optimizer", get_megatron_optimizer_wrapper, True),
         ("megatron.core.transformer.moe.router:TopKRouter.routing", router_routing_wrapper, False),
         ("megatron.core.transformer.moe.moe_layer:MoELayer.forward", moe_forward_wrapper, False),
+        ("megatron.training.checkpointing:load_checkpoint", load_checkpoint_wrapper, True),
+        ("megatron.training.training:load_checkpoint", load_checkpoint_wrapper, True),
         ("megatron.training.arguments:parse_args", parse_args_wrapper, True),
         ("megatron.training.initialize:parse_args", parse_args_wrapper, True),
     ]
