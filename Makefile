@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mindspeed-proxy-installed
 PYTEST_ARGS ?= --durations=15
-# the test files to run, e.g. in reverse order: make test TESTS="$(find tests -name 'test_*.py' | sort -r)"
+# the test files to run, e.g. in reverse order: make test TESTS="$(find tests -name 'test_*.py' | sort -r | xargs)"
 TESTS ?= tests
 # pytest-xdist: one worker per core, whole files per worker (module fixtures build once; proxy checkpoints are
 # shared between workers through a file lock, mindspeed_proxy/testing/shared.py). XDIST= runs in one process.
