@@ -306,7 +306,7 @@ def _b(n: float) -> str:
 
 def _row(name: str, r: dict) -> str:
     if "refused" in r:
-        return f"| {name} | {r['K']} | {r['ep']} | refused: {'; '.join(r['refused'])} |||||||||"
+        return f"| {name} | {r['K']} | {r['ep']} | refused: {'; '.join(r['refused'])} |" + " |" * 8
     m = r["memory"]
     gib = {k: m[k] / GIB for k in ("weights", "grads", "optimizer", "activations", "total")}
     ratio = f"{r['cost_ratio']:.2f}x" if "cost_ratio" in r else "1"
