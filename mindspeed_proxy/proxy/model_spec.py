@@ -167,9 +167,13 @@ def from_megatron_args(args, where: str) -> ModelSpec:
     n, h, heads = int(args.num_layers), int(args.hidden_size), int(args.num_attention_heads)
     swiglu = bool(_get(args, "swiglu", False))
     ffn = _get(args, "ffn_hidden_size") or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-    vocab = _get(args, "padded_vocab_size") or _get(args, "vocab_size")
-    if not vocab:
-        raise ConversionError(f"{where}: no padded_vocab_size / --vocab-size")
+    vocab = _get(args, "padded_vocab_size")
+    if not vocab:  # Megatron pads the tokenizer's vocabulary to a multiple of make_vocab_size_divisible_by x TP
+        if not _get(args, "vocab_size"):
+            raise ConversionError(f"{where}: no padded_vocab_size / --vocab-size")
+        multiple = int(_get(args, "make_vocab_size_divisible_by", 128)) * \
+            int(_get(args, "tensor_model_parallel_size", 1))
+        vocab = -(-int(args.vocab_size) // multiple) * multiple
     mla = None
     if _get(args, "multi_latent_attention", False):
         mla = MLA(_get(args, "q_lora_rank"), int(_get(args, "kv_lora_rank", 32)), int(_get(args, "qk_head_dim", 128)),

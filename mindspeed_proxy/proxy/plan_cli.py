@@ -17,7 +17,7 @@ INT_FLAGS = ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-head
              "kv-channels", "num-experts", "moe-ffn-hidden-size", "moe-router-topk",
              "moe-shared-expert-intermediate-size", "moe-router-num-groups", "moe-router-group-topk",
              "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "vocab-size",
-             "mtp-num-layers")
+             "make-vocab-size-divisible-by", "mtp-num-layers")
 BOOL_FLAGS = ("group-query-attention", "swiglu", "untie-embeddings-and-output-weights", "multi-latent-attention",
               "qk-layernorm", "moe-router-enable-expert-bias", "moe-shared-expert-gate", "add-qkv-bias",
               "moe-tp-extend-ep")
@@ -108,6 +108,8 @@ def model_and_defaults(args) -> tuple:
         ns, where = model_spec.read_checkpoint_args(args.load, args.iteration), f"--load {args.load}"
     elif args.megatron_args_file or flags:
         values = {**(_read_flags_file(args.megatron_args_file) if args.megatron_args_file else {}), **flags}
+        if args.tensor_model_parallel_size:  # pads the vocabulary like Megatron does
+            values["tensor_model_parallel_size"] = args.tensor_model_parallel_size
         if values.pop("disable_bias_linear", None):
             values["add_bias_linear"] = False
         ns = argparse.Namespace(**values)

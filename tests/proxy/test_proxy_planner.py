@@ -133,6 +133,9 @@ def test_megatron_flags_give_the_same_model_as_the_hf_config(tmp_path):
     s, _ = model_and_defaults(args)
     assert planner.count(s) == planner.count(spec("deepseek_v3"))
     assert planner.flops_per_token(s, 256, 4096) == planner.flops_per_token(spec("deepseek_v3"), 256, 4096)
+    padded = model_and_defaults(planner_args(["--megatron-args-file", str(path), "--vocab-size", "129281",
+                                              "--tensor-model-parallel-size", "2"]))[0]
+    assert padded.vocab == 129280 + 256  # Megatron pads to a multiple of 128 x TP
 
 
 def planner_args(argv):
