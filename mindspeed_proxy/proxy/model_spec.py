@@ -44,7 +44,7 @@ class ModelSpec:
     shared_gate: bool = False   # Qwen2-MoE's sigmoid gate on the shared expert ([1, H])
     router_bias: bool = False   # expert_bias / e_score_correction_bias [E]
     mla: Optional[MLA] = None
-    qk_norm: bool = False
+    qk_norm: bool = False       # q/k norms per head (GQA); the latent norms (MLA)
     gated: bool = True          # SwiGLU: 3 matrices per MLP
     layernorm: bool = False     # LayerNorm (weight + bias) instead of RMSNorm (weight)
     bias_linear: bool = False
@@ -96,7 +96,7 @@ def from_hf_config(config: dict, where: str) -> ModelSpec:
     mla = MLA(config.get("q_lora_rank"), _int(config, "kv_lora_rank", where), _int(config, "qk_nope_head_dim", where),
               _int(config, "qk_rope_head_dim", where), _int(config, "v_head_dim", where))
     return ModelSpec(**common, moe_ffn=moe_ffn, shared_ffn=moe_ffn * (config.get("n_shared_experts") or 0),
-                     router_bias=model_type == "deepseek_v3", mla=mla,
+                     router_bias=model_type == "deepseek_v3", mla=mla, qk_norm=True,  # q_a/kv_a_layernorm
                      mtp_layers=config.get("num_nextn_predict_layers") or 0)
 
 
@@ -178,7 +178,7 @@ def from_megatron_args(args, where: str) -> ModelSpec:
     if _get(args, "multi_latent_attention", False):
         mla = MLA(_get(args, "q_lora_rank"), int(_get(args, "kv_lora_rank", 32)), int(_get(args, "qk_head_dim", 128)),
                   int(_get(args, "qk_pos_emb_head_dim", 64)), int(_get(args, "v_head_dim", 128)))
-    gqa = _get(args, "group_query_attention", False) or _get(args, "num_query_groups") not in (None, heads)
+    gqa = bool(_get(args, "group_query_attention", False))  # Megatron ignores num_query_groups without it
     routing = argparse.Namespace(**{k: getattr(args, k, None) for k in (
         "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk", "moe_router_min_experts_per_group")})
     routing.moe_router_topk = int(_get(args, "moe_router_topk", 2))

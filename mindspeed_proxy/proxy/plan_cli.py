@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "List the proxies the converter's EP rules allow for a model on a cluster, with parameters, memory per "
         "rank, FLOPs per token, accelerators and the estimated per-step cost ratio (docs/proxy.md)."))
     g = p.add_argument_group("model (one source)")
-    g.add_argument("--load", metavar="CKPT_DIR", help="a Megatron checkpoint (legacy or torch_dist): its args")
+    g.add_argument("--load", metavar="CKPT_DIR", help="a Megatron checkpoint (legacy or torch_dist): its args; a "
+                   "Hugging Face folder (config.json + safetensors): its config.json")
     g.add_argument("--iteration", type=int, default=None)
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder)")
     g.add_argument("--megatron-args-file", metavar="FILE",
@@ -104,6 +105,8 @@ def model_and_defaults(args) -> tuple:
         raise ConversionError(f"give one model source, not {' and '.join(given)}")
     if args.hf_config:
         return model_spec.read_hf_config(args.hf_config), {}
+    if args.load and _is_hf_folder(args.load):  # as the converter: a config.json + safetensors folder is HF
+        return model_spec.read_hf_config(args.load), {}
     if args.load:
         ns, where = model_spec.read_checkpoint_args(args.load, args.iteration), f"--load {args.load}"
     elif args.megatron_args_file or flags:
@@ -122,6 +125,12 @@ def model_and_defaults(args) -> tuple:
                                                   "tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                   "expert_model_parallel_size", "data_parallel_size", "world_size")}
     return spec, {k: v for k, v in recorded.items() if v is not None}
+
+
+def _is_hf_folder(path: str) -> bool:
+    from mindspeed_proxy.proxy.hf_io import looks_like_hf
+
+    return looks_like_hf(path)
 
 
 def _pick(*values):

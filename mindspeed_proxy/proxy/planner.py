@@ -54,9 +54,10 @@ def attention_params(s: ModelSpec) -> int:
     if s.mla:
         m = s.mla
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
-        q = (h * m.q_lora_rank + norm_params(s, m.q_lora_rank) + m.q_lora_rank * n * qk) if m.q_lora_rank \
+        latent = (lambda width: norm_params(s, width)) if s.qk_norm else (lambda width: 0)  # latent norms
+        q = (h * m.q_lora_rank + latent(m.q_lora_rank) + m.q_lora_rank * n * qk) if m.q_lora_rank \
             else h * n * qk
-        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + norm_params(s, m.kv_lora_rank) + \
+        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + latent(m.kv_lora_rank) + \
             m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
         return q + kv + _linear(n * m.v_head_dim, h, s.bias_linear)
     q, kv = n * s.head_dim, s.kv_heads * s.head_dim

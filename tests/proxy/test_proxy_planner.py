@@ -133,6 +133,9 @@ def test_megatron_flags_give_the_same_model_as_the_hf_config(tmp_path):
     s, _ = model_and_defaults(args)
     assert planner.count(s) == planner.count(spec("deepseek_v3"))
     assert planner.flops_per_token(s, 256, 4096) == planner.flops_per_token(spec("deepseek_v3"), 256, 4096)
+    path.write_text(flags.replace("--qk-layernorm ", ""))  # Megatron's MLA has latent norms only with it
+    plain = model_and_defaults(planner_args(["--megatron-args-file", str(path)]))[0]
+    assert planner.count(s)["total"] - planner.count(plain)["total"] == 61 * (1536 + 512)
     padded = model_and_defaults(planner_args(["--megatron-args-file", str(path), "--vocab-size", "129281",
                                               "--tensor-model-parallel-size", "2"]))[0]
     assert padded.vocab == 129280 + 256  # Megatron pads to a multiple of 128 x TP
@@ -172,7 +175,7 @@ def test_counts_equal_the_tensors_of_real_megatron_checkpoints(checkpoints, dist
     assert planner.count(s)["total"] == numel
 
 
-def test_cli_prints_the_table(capsys, checkpoints):
+def test_cli_prints_the_table(capsys, checkpoints, tmp_path):
     ckpt = checkpoints("ep2_bias")
     assert cli_main(["plan", "--load", ckpt, "--accelerator-memory-gib", "1"]) == 0
     out = capsys.readouterr().out
@@ -182,6 +185,13 @@ def test_cli_prints_the_table(capsys, checkpoints):
                      "--target-expert-parallel-size", "4", "--target-num-experts", "64", "32"]) == 0
     out = capsys.readouterr().out
     assert "| proxy | 64 | 4 |" in out and "| proxy | 32 | 4 |" in out and "30.53B" in out
+    hf = tmp_path / "hf"  # a Hugging Face folder given to --load, as the converter takes it
+    hf.mkdir()
+    (hf / "config.json").write_text(open(os.path.join(FIXTURES, "mixtral_8x7b.json")).read())
+    (hf / "model.safetensors").write_bytes(b"")
+    assert cli_main(["plan", "--load", str(hf), "--expert-model-parallel-size", "8", "--accelerator-memory-gib", "80",
+                     "--seq-length", "4096"]) == 0
+    assert "| original | 8 | 8 | 1x1x8 = 8 | 46.70B | 12.88B |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
