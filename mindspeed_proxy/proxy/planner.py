@@ -267,9 +267,10 @@ def rules(s: ModelSpec, layout: Layout, ep2: int) -> dict:
 
 
 def proxy_options(s: ModelSpec, layout: Layout, eps=None, ks=None) -> list:
-    """[(EP2, K, refused reasons)]: by default per EP2 dividing EP (below it) the K that keeps the experts per
-    rank (E x EP2 / EP), or, when the rules refuse it, that K refused plus the smallest valid K above it."""
-    eps = eps or [e for e in range(layout.ep - 1, 0, -1) if layout.ep % e == 0]
+    """[(EP2, K, refused reasons)]: by default per EP2 dividing EP (below it; with `ks`, EP itself too) the K
+    that keeps the experts per rank (E x EP2 / EP), or, when the rules refuse it, that K refused plus the
+    smallest valid K above it."""
+    eps = eps or [e for e in range(layout.ep - (0 if ks else 1), 0, -1) if layout.ep % e == 0]
     out = []
     for ep2 in eps:
         if ep2 < 1:
@@ -336,4 +337,6 @@ def describe(result: dict, s: ModelSpec, run: Run) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|",
              _row("original", result["original"])]
     lines += [_row("proxy", r) for r in result["proxies"]]
+    if not result["proxies"]:
+        lines.append("(EP is 1: no smaller EP; pass --target-num-experts K to plan a proxy at EP 1)")
     return "\n".join(lines)

@@ -85,6 +85,9 @@ def test_ep_rules_are_the_converters():
     assert planner.proxy_options(s, _layout("deepseek_v3", 1, 16, 64, 64), eps=[8], ks=[12])[0][2]  # 12 % 8
     mixtral = planner.proxy_options(spec("mixtral_8x7b"), _layout("mixtral_8x7b", 1, 1, 8, 8))
     assert [(ep, k, bool(p)) for ep, k, p in mixtral] == [(4, 4, False), (2, 2, False), (1, 1, True), (1, 2, False)]
+    at_ep1 = planner.proxy_options(spec("mixtral_8x7b"), _layout("mixtral_8x7b", 1, 1, 1, 8), ks=[4])
+    assert at_ep1 == [(1, 4, [])]  # EP 1: K given, planned at EP 1 (the expert-DP replicas dropped: 8 -> 1 rank)
+    assert planner.proxy_options(spec("mixtral_8x7b"), _layout("mixtral_8x7b", 1, 1, 1, 8)) == []
 
 
 def test_memory_per_rank_by_hand_mixtral():
