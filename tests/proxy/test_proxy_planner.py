@@ -7,10 +7,8 @@ import torch
 
 from mindspeed_proxy.cli import main as cli_main
 from mindspeed_proxy.proxy import model_spec, planner
-from mindspeed_proxy.proxy.layout import Layout
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
-GIB = 2 ** 30
 
 
 def spec(name):
