@@ -1,8 +1,10 @@
-"""`mindspeed-proxy COMMAND ...`: the console entry point (convert; more commands come with later issues)."""
+"""`mindspeed-proxy COMMAND ...`: the console entry point."""
 import sys
 
 COMMANDS = {
     "convert": ("mindspeed_proxy.proxy.cli", "prune a Megatron MoE checkpoint into a proxy (convert_to_proxy.py)"),
+    "plan": ("mindspeed_proxy.proxy.plan_cli", "proxy options of a real model on a cluster (--hf-config / --load / "
+             "Megatron flags)"),
     "patches": ("mindspeed_proxy.patches.__main__", "list the patch registry (--list)"),
     "report": ("mindspeed_proxy.report.cli", "plots + summary of a run dir (RUN_DIR [--out DIR])"),
     "compare": ("mindspeed_proxy.report.compare_cli", "consistency of two run dirs (RUN_A RUN_B)"),

@@ -173,3 +173,27 @@ def test_monitor_is_observation_only(mlm, env, tmp_path, monitored):
     off = _losses(res_off.stdout + res_off.stderr)
     assert off == _losses(res_on.stdout + res_on.stderr)
     assert len(off) == 20
+
+
+def test_plan_reads_a_pretrain_gpt_checkpoint(mlm, env, tmp_path, capsys):
+    """`mindspeed-proxy plan --load` on the legacy checkpoint pretrain_gpt.py writes: its args give the layout
+    and the model, and the planner's parameter count equals the elements Megatron-LM stored."""
+    import torch
+
+    from mindspeed_proxy.checkpoint_io import safe_torch_load
+    from mindspeed_proxy.cli import main as cli_main
+
+    save = tmp_path / "ckpt"
+    res = _launch(mlm, env, tmp_path, "--train-iters", "2", "--save", str(save), "--save-interval", "2",
+                  "--ckpt-format", "torch")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    stored = 0
+    for ep in range(2):  # rank 0 holds everything but the other EP rank's experts
+        model = safe_torch_load(str(save / "iter_0000002" / f"mp_rank_00_{ep:03d}" / "model_optim_rng.pt"))["model"]
+        stored += sum(t.numel() for k, t in model.items()
+                      if isinstance(t, torch.Tensor) and (ep == 0 or ".experts." in k))
+    assert cli_main(["plan", "--load", str(save), "--accelerator-memory-gib", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["original"]["params"] == stored
+    assert (plan["original"]["K"], plan["original"]["ep"], plan["original"]["ranks"]) == (4, 2, 2)
+    assert [(r["K"], r["ep"], r["ranks"]) for r in plan["proxies"]] == [(2, 1, 1)]

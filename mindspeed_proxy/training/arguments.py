@@ -166,6 +166,7 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
         args.rope_type = args.rope_type or "rope"
     args.group_query_attention = args.num_query_groups != args.num_attention_heads
     args.add_bias_linear = False
+    args.untie_embeddings_and_output_weights = True  # the tiny model never ties (tiny_moe.py)
     args.normalization = "RMSNorm"
     args.position_embedding_type = "rope"
     args.swiglu = True
