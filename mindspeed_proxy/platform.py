@@ -7,6 +7,7 @@ torch_npu's `transfer_to_npu` remaps CUDA to NPU. For `npu` it imports torch_npu
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -66,6 +67,33 @@ def activate(name: str | None = None) -> str:
             cpu_transfer.install()
         _active = wanted
         return _active
+
+
+def deactivate() -> None:
+    """Undo `activate("cpu")` (the transfer-to-CPU layer's patches are reverted); cuda needs nothing undone,
+    npu's transfer layer cannot be: refused."""
+    global _active
+    with _lock:
+        if _active == "npu":
+            raise RuntimeError("the npu platform (torch_npu's transfer layer) cannot be deactivated")
+        if _active == "cpu":
+            from mindspeed_proxy.patches import cpu_transfer
+
+            cpu_transfer.uninstall()
+        _active = None
+
+
+@contextlib.contextmanager
+def activated(name: str | None = None):
+    """Activate platform `name` for the block if none is active, and deactivate it afterwards."""
+    if _active is not None:
+        yield activate(name)
+        return
+    chosen = activate(name)
+    try:
+        yield chosen
+    finally:
+        deactivate()
 
 
 def current() -> str | None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mindspeed_proxy.patches import cpu_parallel
-from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register
+from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register, revert_feature
 
 FEATURE = "cpu-platform"
 # megatron-core versions (= Megatron-LM core_vX.Y tags) the Megatron-LM training rows below are
@@ -436,3 +436,11 @@ def install() -> list[str]:
     if not any(isinstance(f, _SameGeneratorFilter) for f in logger.filters):
         logger.addFilter(_SameGeneratorFilter())
     return apply_feature(FEATURE)
+
+
+def uninstall() -> list[str]:
+    """Remove the transfer-to-CPU layer: every patched target gets its original back; return the targets."""
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    for f in [f for f in logger.filters if isinstance(f, _SameGeneratorFilter)]:
+        logger.removeFilter(f)
+    return revert_feature(FEATURE)

@@ -105,10 +105,24 @@ def apply_feature(feature: str) -> list[str]:
             if patch.optional:
                 continue
             raise
-        if original is _MISSING and not patch.optional:
-            original = None
         setattr(owner, attr, patch.build(None if original is _MISSING else original))
         _applied[patch.target] = original
+        done.append(patch.target)
+    return done
+
+
+def revert_feature(feature: str) -> list[str]:
+    """Undo every applied patch of `feature`, newest first (the originals come back); return the targets."""
+    done = []
+    for patch in reversed(_REGISTRY):
+        if patch.feature != feature or patch.target not in _applied:
+            continue
+        owner, attr, _ = resolve(patch.target)
+        original = _applied.pop(patch.target)
+        if original is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
         done.append(patch.target)
     return done
 

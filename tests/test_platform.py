@@ -143,3 +143,22 @@ def test_device_contexts_still_work_under_the_cpu_layer():
             "assert torch.empty(3, device='cuda').device.type == 'cpu'\nprint('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+def test_deactivate_gives_every_original_back():
+    """activate('cpu') then deactivate(): each patched attribute is the original object again (or absent again),
+    and a later activate() patches afresh."""
+    proc = run_py(
+        "import torch, megatron.core.tensor_parallel.random as r\n"
+        "from mindspeed_proxy import platform as p\n"
+        "from mindspeed_proxy.patches import registry\n"
+        "before = {'empty': torch.empty, 'cur': torch.cuda.current_device, 'rng': r._set_cuda_rng_state}\n"
+        "with p.activated('cpu'):\n"
+        "    assert torch.empty is not before['empty'] and r._set_cuda_rng_state is not before['rng']\n"
+        "    assert torch.empty(2, device='cuda').device.type == 'cpu' and registry.applied()\n"
+        "assert p.current() is None and registry.applied() == []\n"
+        "assert torch.empty is before['empty'] and torch.cuda.current_device is before['cur']\n"
+        "assert r._set_cuda_rng_state is before['rng']\n"
+        "p.activate('cpu'); assert torch.empty is not before['empty']; print('ok')\n"
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr

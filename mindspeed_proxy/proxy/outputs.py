@@ -235,6 +235,16 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
     `sample` dict, fills it with {global layer: {"outputs": [T, E, H], "logits": [T, E], "bias": [E] or
     absent}} for the first `sample_tokens` tokens (reconstruction.py); `sequential`: a dict whose "choose"
     (layer, sample) -> (kept, info) is called by `reconstruction.sequential_pass` and whose "kept" it fills."""
+    from mindspeed_proxy import platform
+
+    cfg = model_config_from_args(ckpt.args)
+    if any(layer.global_layer is None for layer in ckpt.layers):
+        raise ConversionError("--features outputs: the checkpoint's layer numbering is not understood")
+    with platform.activated(platform.current() or ("cuda" if torch.cuda.is_available() else "cpu")):
+        return _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequential)
+
+
+def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequential) -> tuple:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -242,11 +252,6 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
     from mindspeed_proxy.proxy.dist_io import close_group, ensure_group
     from mindspeed_proxy.tiny_moe import build_model
 
-    cfg = model_config_from_args(ckpt.args)
-    if any(layer.global_layer is None for layer in ckpt.layers):
-        raise ConversionError("--features outputs: the checkpoint's layer numbering is not understood")
-    if platform.current() is None and not torch.cuda.is_available():
-        platform.activate("cpu")
     created = not dist.is_initialized()
     ensure_group()
     _parallel_world_1()
