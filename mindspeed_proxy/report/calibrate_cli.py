@@ -181,6 +181,11 @@ def main(argv=None) -> int:
             guarantee = (f"P(alarm) ≤ {res['promised']:.3g} per run (k={res['k']} of N={res['runs']})"
                          if res["tail"] == "order" else f"Gumbel fit on N={res['runs']}: extrapolated, no guarantee")
             print(f"  [{form}] {family}/{metric}: {FORMS[form][1]} = {res['threshold']:.4g}; {guarantee}")
+        total = sum(res["promised"] for res in results.values())
+        exact = all(res["tail"] == "order" for res in results.values())
+        print(f"  [{form}] promise: P(a false alarm in a {steps:.0f}-step run) ≤ {total:.3g} = "
+              f"{1000.0 * total / steps:.3g} per 1000 steps" + ("" if exact else " (partly extrapolated)")
+              + (" (vacuous: ≥ 1, more tuning runs needed)" if total >= 1 else ""))
         if held:
             held_rates[form] = false_alarms(held, cfg, set(stats))
             h = held_rates[form]

@@ -158,6 +158,7 @@ def test_calibrate_chooses_the_form_by_held_out_runs_and_replay_keeps_the_promis
     assert rc == 0, stderr
     assert "budget 1 per 1000 steps = 0.05 per run, split over 1 statistics" in stdout
     assert "P(alarm) ≤ 0.05 per run (k=1 of N=19)" in stdout
+    assert "[ema] promise: P(a false alarm in a 50-step run) ≤ 0.05 = 1 per 1000 steps\n" in stdout
     config = MonitorConfig.from_file(str(out))
     rates = config.calibration["held_out"]["forms"]
     # a frozen baseline (and its CUSUM) cannot follow the drift over 3x longer held-out runs; the EMA can
