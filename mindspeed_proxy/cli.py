@@ -9,6 +9,8 @@ COMMANDS = {
     "report": ("mindspeed_proxy.report.cli", "plots + summary of a run dir (RUN_DIR [--out DIR])"),
     "compare": ("mindspeed_proxy.report.compare_cli", "consistency of two run dirs (RUN_A RUN_B)"),
     "replay": ("mindspeed_proxy.report.replay_cli", "a run's alerts under another detector config (RUN_DIR)"),
+    "calibrate": ("mindspeed_proxy.report.calibrate_cli",
+                  "detector thresholds from healthy runs (RUN_DIR... --false-alarms-per-1000-steps R --out FILE)"),
 }
 
 

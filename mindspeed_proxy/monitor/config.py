@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mindspeed_proxy.monitor.detectors import DetectorConfig
+from mindspeed_proxy.monitor.detectors import FAMILIES, DetectorConfig
 
 STAT_NAMES = ("entropy", "normalized_entropy", "effective_rank", "stable_rank", "top1_energy", "frobenius")
 ROUTER_TOKEN_METRICS = ("entropy", "normalized_entropy", "load_entropy", "max_over_mean", "dead_experts",
@@ -41,6 +41,10 @@ class MonitorConfig:
         warmup=5, persistence=2, z_threshold=4.0, min_scale=0.005, min_rel_scale=0.01))
     rl_metric_detectors: dict[str, dict] = field(default_factory=lambda: {
         "entropy": {"warmup": 5, "persistence": 3, "z_threshold": 3.2, "min_rel_scale": 0.3}})  # a 96% drop
+    # per-statistic overrides of the family's detector, {family: {metric: {key: value}}}, e.g. the thresholds
+    # `mindspeed-proxy calibrate` writes; metric is the tested series' name ("delta2/entropy", "linear_qkv/frobenius")
+    metric_detectors: dict[str, dict[str, dict]] = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # provenance written by `calibrate` (read by nothing)
     detect_start: int = 0  # samples before this step are logged but build no baseline (early training)
     detect_slots: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])  # ΔW slots tested
     detect_metrics: dict[str, list[str]] = field(default_factory=lambda: {
@@ -74,6 +78,16 @@ class MonitorConfig:
             self.rl_detector = DetectorConfig(**self.rl_detector)
         for metric, overrides in self.rl_metric_detectors.items():
             dataclasses.replace(self.rl_detector, **overrides)  # an unknown key fails here, naming it
+        if not isinstance(self.metric_detectors, dict):
+            raise ValueError("metric_detectors: expected {family: {metric: {detector key: value}}}")
+        for family, metrics in self.metric_detectors.items():
+            if family not in FAMILIES or not isinstance(metrics, dict):
+                raise ValueError(f"metric_detectors: {family!r} is not one of {FAMILIES} with a mapping of metrics")
+            for metric, overrides in metrics.items():
+                try:
+                    dataclasses.replace(self.family_detector(family), **dict(overrides))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"metric_detectors {family}/{metric}: {exc}") from None
         if self.interval < 1 or not 1 <= self.delta <= self.interval:
             raise ValueError(f"need interval ≥ 1 and 1 ≤ delta ≤ interval, got interval={self.interval}, "
                              f"delta={self.delta}")
@@ -102,6 +116,29 @@ class MonitorConfig:
     def rl_detector_configs(self) -> dict[str, DetectorConfig]:
         """Per-metric detector configs of the rl family (rl_detector overlaid with rl_metric_detectors)."""
         return {m: dataclasses.replace(self.rl_detector, **o) for m, o in self.rl_metric_detectors.items()}
+
+    def family_detector(self, family: str) -> DetectorConfig:
+        """The family-wide detector config of `family` (spectral families share `detector`)."""
+        return {"router": self.router_detector, "rl": self.rl_detector}.get(family, self.detector)
+
+    def metric_detector_configs(self, *families: str) -> dict[str, DetectorConfig]:
+        """Per-metric detector configs of `families` (one bank): the family's detector overlaid with
+        `rl_metric_detectors` (rl) and then `metric_detectors`; metrics without overrides are absent."""
+        out = self.rl_detector_configs() if "rl" in families else {}
+        for family in families:
+            for metric, overrides in self.metric_detectors.get(family, {}).items():
+                out[metric] = dataclasses.replace(out.get(metric, self.family_detector(family)), **overrides)
+        return out
+
+    def detector_banks(self) -> dict:
+        """{family: DetectorBank} as the monitor builds them (the two spectral families share one bank)."""
+        from mindspeed_proxy.monitor.detectors import DetectorBank
+
+        spectral = DetectorBank(config=self.detector,
+                                metric_configs=self.metric_detector_configs("attention-spectral", "update-spectral"))
+        return {"attention-spectral": spectral, "update-spectral": spectral,
+                "router": DetectorBank(config=self.router_detector, metric_configs=self.metric_detector_configs("router")),
+                "rl": DetectorBank(config=self.rl_detector, metric_configs=self.metric_detector_configs("rl"))}
 
     def tested_metrics(self, family: str, metrics) -> list[str]:
         """The names among `metrics` (a family's per-layer metric names) that its detectors test."""

@@ -52,9 +52,10 @@ class MechanismMonitor(SpectralFamilies):
         t = self.targets
         self.router_stats = (RouterStats(t.num_layers, t.num_experts, t.topk, device=self.device)
                              if t.num_experts and "router" in cfg.families else None)
-        self.spectral_detectors = DetectorBank(config=cfg.detector)
-        self.router_detectors = DetectorBank(config=cfg.router_detector)
-        self.rl_detectors = DetectorBank(config=cfg.rl_detector, metric_configs=cfg.rl_detector_configs())
+        banks = cfg.detector_banks()
+        self.spectral_detectors: DetectorBank = banks["attention-spectral"]
+        self.router_detectors: DetectorBank = banks["router"]
+        self.rl_detectors: DetectorBank = banks["rl"]
         self.snapshots: dict[tuple, torch.Tensor] = {}
         # per layer: ((Wq'ᵀWq', Wk'ᵀWk'), reuses so far) of the weights the current snapshot holds
         self._qk_grams: dict[int, tuple] = {}

@@ -9,18 +9,19 @@ only the recorded samples exist.
 from __future__ import annotations
 
 from mindspeed_proxy.monitor.config import MonitorConfig
-from mindspeed_proxy.monitor.detectors import DetectorBank
-from mindspeed_proxy.report.runs import FAMILIES, Run, _float
+from mindspeed_proxy.monitor.detectors import FAMILIES as MONITOR_FAMILIES
+from mindspeed_proxy.report.runs import Run, _float
 
 
-def per_layer_metrics(family: str, layers: dict) -> dict[str, dict[int, float]]:
-    """A sample record's `layers` as {metric: {layer: value}}, with the monitor's metric names."""
-    out: dict[str, dict[int, float]] = {}
+def per_layer_metrics(family: str, layers: dict) -> dict:
+    """A sample record's `layers` as {metric: {layer: value}}, with the monitor's metric names
+    (rl records: layer key "all" is the monitor's layer None)."""
+    out: dict = {}
     for key, rec in layers.items():
-        layer = int(key)
+        layer = None if family == "rl" and key == "all" else int(key)
         if not isinstance(rec, dict):
             continue
-        if family == "router":
+        if family in ("router", "rl"):
             items = ((m, v) for m, v in rec.items() if m != "load")
         elif family == "update-spectral":
             items = ((f"{slot}/{stat}", v) for slot, stats in rec.items() for stat, v in stats.items())
@@ -34,11 +35,10 @@ def per_layer_metrics(family: str, layers: dict) -> dict[str, dict[int, float]]:
 
 def replay_alerts(run: Run, config: MonitorConfig) -> list[dict]:
     """Alerts (as the monitor writes them) that `config`'s detectors raise over `run`'s recorded samples."""
-    banks = {"router": DetectorBank(config=config.router_detector)}
-    banks["attention-spectral"] = banks["update-spectral"] = DetectorBank(config=config.detector)
-    events = sorted((s["step"], FAMILIES.index(family), family, s["layers"])
-                    for family, samples in run.samples.items() if family in config.families
-                    for s in samples)
+    banks = config.detector_banks()
+    events = sorted((s["step"], MONITOR_FAMILIES.index(family), family, s["layers"])
+                    for family, samples in run.samples.items()
+                    if family in config.families and family in MONITOR_FAMILIES for s in samples)
     alerts = []
     for step, _, family, layers in events:
         if step < config.detect_start:

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from mindspeed_proxy.report.runs import FAMILIES, RunError, layer_label, load_run
+from mindspeed_proxy.monitor.detectors import FAMILIES
+from mindspeed_proxy.report.runs import RunError, layer_label, load_run
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
         for alert in alerts:
             print(json.dumps(alert))
         return 0
-    for family in FAMILIES:
+    for family in [f for f in FAMILIES if f in config.families]:
         hits = [a for a in alerts if a["family"] == family]
         first = min(hits, key=lambda a: a["step"]) if hits else None
         where = (f"first at step {first['step']} ({first['metric']}, {layer_label(first['layer'])}, {first['kind']})"
