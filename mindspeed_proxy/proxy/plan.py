@@ -33,6 +33,8 @@ class Options:
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64
     keep_optimizer_args: bool = False  # keep opt_param_scheduler; launch without --finetune
+    trust_checkpoint: bool = False  # full unpickling of the source's .pt files (never the default)
+    non_finite_experts: str = "refuse"  # experts with NaN/Inf weights: refuse, keep (selectable) or exclude
 
     @property
     def bit_exact(self) -> bool:

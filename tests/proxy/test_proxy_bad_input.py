@@ -45,7 +45,7 @@ def _break(case, root, work):
         path = _file(root, "mp_rank_00_001")
         data = open(path, "rb").read()
         open(path, "wb").write(data[: len(data) // 2])
-        return root, out, [], "truncated or unreadable shard"
+        return root, out, [], "truncated file"
     if case == "args-disagree-between-files":
         _edit(_file(root, "mp_rank_00_001"), lambda s: setattr(s["args"], "expert_model_parallel_size", 4))
         return root, out, [], "inconsistent EP/TP"
