@@ -303,8 +303,25 @@ def start_note(plan: Plan) -> str:
 
 
 def launch_flags(plan: Plan, out_dir: str) -> str:
-    """The Megatron flags that load the proxy."""
-    t = plan.target
-    start = "--no-load-optim --no-load-rng" if plan.options.keep_optimizer_args else \
-        "--finetune --no-load-optim --no-load-rng"
-    return f"--num-experts {t.num_experts} --expert-model-parallel-size {t.ep} --load {out_dir} {start}"
+    """The Megatron-LM flags that load the proxy (on top of the source's model flags): its whole parallel
+    layout, its expert count, the checkpoint format and how it starts. Megatron-LM refuses a legacy
+    checkpoint at another TP/PP, and a torch_dist one built for other experts, so none is left implied."""
+    t, args = plan.target, plan.new_args
+    flags = [f"--tensor-model-parallel-size {t.tp}", f"--pipeline-model-parallel-size {t.pp}"]
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage:
+        flags.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+    elif t.vpp:
+        flags.append(f"--virtual-pipeline-model-parallel-size {t.vpp}")
+    flags += [f"--expert-model-parallel-size {t.ep}"]
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != t.tp:
+        flags.append(f"--expert-tensor-parallel-size {etp}")
+    if t.tp_extend_ep:
+        flags.append("--moe-tp-extend-ep")
+    flags += [f"--num-experts {t.num_experts}", f"--ckpt-format {plan.fmt}", f"--load {out_dir}"]
+    if plan.fmt == "torch_dist":
+        flags.append("--dist-ckpt-strictness raise_all")  # a key the proxy lacks or adds fails the load
+    flags.append("--no-load-optim --no-load-rng" if plan.options.keep_optimizer_args else
+                 "--finetune --no-load-optim --no-load-rng")
+    return " ".join(flags)

@@ -127,4 +127,6 @@ def test_overwrite_replaces_only_after_success(checkpoints, tmp_path, capsys):
     assert main(flags + ["--target-num-experts", "4", "--overwrite"]) == 0
     assert not (out / "old.txt").exists() and (out / "proxy_manifest.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert "launch flags: --num-experts 4 --expert-model-parallel-size 1" in capsys.readouterr().out
+    flags = "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 1 " \
+        "--num-experts 4 --ckpt-format torch"
+    assert f"launch flags: {flags} --load {out} --finetune --no-load-optim --no-load-rng" in capsys.readouterr().out
