@@ -96,9 +96,11 @@ def safe_torch_load(path: str, map_location: str = "cpu", mmap: bool = False, tr
     if trust:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     # safe_globals() removes on exit what it added: pass only what is not already allowed (megatron
-    # registers its list process-wide at import; removing an entry would break its own loads)
+    # registers its list process-wide at import, which trusted_globals() may trigger: read the registry
+    # after it; removing an entry megatron registered would break its own loads)
+    trusted = trusted_globals()
     already = set(torch.serialization.get_safe_globals())
-    extra = [g for g in trusted_globals() if g not in already]
+    extra = [g for g in trusted if g not in already]
     try:
         with torch.serialization.safe_globals(extra):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

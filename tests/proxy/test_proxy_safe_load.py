@@ -126,3 +126,18 @@ def test_truncated_and_damaged_are_told_apart(dist_checkpoints, tmp_path):
     with pytest.raises(CheckpointReadError, match="not a torch checkpoint") as info:
         safe_torch_load(str(junk))
     assert not isinstance(info.value, TruncatedCheckpointError)
+
+
+def test_first_load_leaves_megatron_registrations(tmp_path):
+    """A first safe_torch_load in a fresh process (which imports megatron.core, registering its list) leaves
+    megatron's registrations in place: megatron's own later loads still accept its types."""
+    path = tmp_path / "plain.pt"
+    torch.save({"x": torch.ones(2)}, path)
+    code = ("import argparse, torch\n"
+            "from mindspeed_proxy.checkpoint_io import safe_torch_load\n"
+            f"safe_torch_load({str(path)!r})\n"
+            "from megatron.core.transformer.enums import AttnBackend\n"
+            "allowed = torch.serialization.get_safe_globals()\n"
+            "assert argparse.Namespace in allowed and AttnBackend in allowed, allowed\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
