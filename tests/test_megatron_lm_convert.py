@@ -146,6 +146,7 @@ def test_k_equals_e_is_a_pure_reshard(mlm, env, sources, case):
         original = pretrain(mlm, env, cwd, CASES[case]["world"], model_flags(case) + start)
     original = _losses(_ok(original))
     assert 1 in proxy and 1 in original, (proxy, original)
+    print(f"{case}: first-step loss proxy {proxy[1]} original {original[1]}")
     if fmt == "torch_dist":
         assert proxy[1] == original[1], (proxy, original)
     else:

@@ -25,12 +25,15 @@ _WORLD_1 = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ex
 _EAGER = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
               apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
               cross_entropy_loss_fusion=False, moe_permute_fusion=False, use_cpu_initialization=True,
-              perform_initialization=False, hidden_dropout=0.0, attention_dropout=0.0, deallocate_pipeline_outputs=False,
-              cuda_graph_impl="none", recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+              perform_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
+              deallocate_pipeline_outputs=False, cuda_graph_impl="none", recompute_granularity=None,
+              recompute_method=None, recompute_num_layers=None)
 # Megatron-LM features this builder does not build (their weights would not load into the local spec)
-_UNSUPPORTED = (("use_legacy_models", "legacy model"), ("spec", "--spec"), ("mtp_num_layers", "multi-token prediction"),
-                ("heterogeneous_layers_config_path", "heterogeneous layers"), ("yaml_cfg", "--yaml-cfg"),
-                ("experimental_attention_variant", "experimental attention variant"), ("moe_tp_extend_ep", "moe_tp_extend_ep"))
+_UNSUPPORTED = (("use_legacy_models", "legacy model"), ("spec", "--spec"),
+                ("mtp_num_layers", "multi-token prediction"),
+                ("heterogeneous_layers_config_path", "heterogeneous layers"),
+                ("yaml_cfg", "--yaml-cfg"), ("experimental_attention_variant", "experimental attention variant"),
+                ("moe_tp_extend_ep", "moe_tp_extend_ep"))
 
 
 def from_megatron_lm(args) -> bool:
