@@ -73,9 +73,10 @@ def test_refused_by_default_naming_tensors_and_experts(planted, tmp_path, capsys
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and hash_folder(planted) == before
 
 
-def test_exclude_never_selects_them(planted, tmp_path):
+@pytest.mark.parametrize("selection", ["cluster", "random"])
+def test_exclude_never_selects_them(planted, tmp_path, selection):
     out = tmp_path / "out"
-    assert _run(planted, out, "--non-finite-experts", "exclude") == 0
+    assert _run(planted, out, "--non-finite-experts", "exclude", "--selection", selection) == 0
     bad = non_finite_experts(planted)
     manifest = json.loads((out / "proxy_manifest.json").read_text())
     record = manifest["non_finite_experts"]
