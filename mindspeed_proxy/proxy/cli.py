@@ -71,6 +71,14 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
     p.add_argument("--usage-file", default=None, metavar="FILE",
                    help='JSON {"<global layer>": [tokens routed to each global expert]}, for --selection usage '
                         "and --representative usage (takes precedence over calibration counts)")
+    p.add_argument("--non-finite-experts", choices=["refuse", "keep", "exclude"], default="refuse",
+                   help="experts whose weights or router row hold NaN/Inf: refuse (default: one line naming the "
+                        "tensor, layer and expert ids, nothing written); keep: still selectable, copied as they "
+                        "are if kept; exclude: never selected. Recorded in the manifest (docs/proxy.md)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load the source's .pt files with full unpickling (weights_only=False), for args holding "
+                        "types outside megatron-core's safe globals (other forks). A malicious checkpoint can then "
+                        "run arbitrary code: use only for files you trust (never the default)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (after verification)")
     return p
@@ -119,7 +127,8 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
                       seed=args.seed, selection=default_selection(args),
                       usage_file=args.usage_file, calibration_data=args.calibration_data,
                       calibration_sequences=args.calibration_sequences,
-                      keep_optimizer_args=args.keep_optimizer_args)
+                      keep_optimizer_args=args.keep_optimizer_args, trust_checkpoint=args.trust_checkpoint,
+                      non_finite_experts=args.non_finite_experts)
     try:
         _check_save_features(args, options)
         plan = convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,

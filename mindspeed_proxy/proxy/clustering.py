@@ -171,6 +171,31 @@ def _assign_to_kept(similarity: np.ndarray, kept: list, groups: int) -> dict:
             "distances": _summary(labels, dist, kept)}
 
 
+def without(similarity: np.ndarray, k: int, excluded: set, num_groups: Optional[int], run) -> dict:
+    """A selection that never picks an expert of `excluded`: `run(idx, per)` selects `per` experts among the
+    others (indices `idx`) of each routing group; excluded experts get label -1 and belong to no cluster."""
+    n = similarity.shape[0]
+    groups = num_groups or 1
+    size, per = n // groups, k // groups
+    labels, kept, offset = np.full(n, -1), [], 0
+    for g in range(groups):
+        idx = np.array([i for i in range(g * size, (g + 1) * size) if i not in excluded])
+        if len(idx) < per:
+            where = f" in routing group {g}" if groups > 1 else ""
+            raise ConversionError(f"--non-finite-experts exclude: only {len(idx)} finite experts{where}, fewer than "
+                                  f"the {per} to keep there")
+        result = run(idx, per)
+        labels[idx] = np.asarray(result["labels"]) + offset
+        kept += [int(idx[i]) for i in result["kept"]]
+        offset += per
+    kept = sorted(kept)
+    finite = np.flatnonzero(labels >= 0)
+    dist = angular_distance(similarity[np.ix_(finite, finite)])
+    summary = _summary(labels[finite], dist, [int(np.flatnonzero(finite == g)[0]) for g in kept])
+    return {"labels": labels.tolist(), "kept": kept, "sizes": np.bincount(labels[finite], minlength=k).tolist(),
+            "distances": summary, "excluded": sorted(int(g) for g in excluded)}
+
+
 def _summary(labels: np.ndarray, dist: np.ndarray, kept: list) -> dict:
     same = labels[:, None] == labels[None, :]
     off = ~np.eye(len(labels), dtype=bool)

@@ -41,8 +41,9 @@ def check_paths(load: str, save: Optional[str], overwrite: bool, dry_run: bool) 
         raise ConversionError(f"--save {save}: parent folder {parent} does not exist")
 
 
-def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto"):
-    """The checkpoint reader for the format found under `load` (`fmt`: auto, megatron or hf)."""
+def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto", trust: bool = False):
+    """The checkpoint reader for the format found under `load` (`fmt`: auto, megatron or hf); `trust`:
+    full unpickling of the `.pt` files (--trust-checkpoint), else megatron-core's safe globals only."""
     if fmt == "hf" or (fmt == "auto" and os.path.isdir(load)):
         from mindspeed_proxy.proxy import hf_io
 
@@ -53,8 +54,8 @@ def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto"):
     if "metadata.json" in names or "common.pt" in names or ".metadata" in names:
         from mindspeed_proxy.proxy.dist_io import DistCheckpoint
 
-        return DistCheckpoint(load, iteration)
-    return LegacyCheckpoint(load, iteration)
+        return DistCheckpoint(load, iteration, trust)
+    return LegacyCheckpoint(load, iteration, trust)
 
 
 def _progress(desc: str) -> Callable:
@@ -72,7 +73,11 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
     """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input.
     `fmt`: auto (a folder with config.json and safetensors is Hugging Face), megatron or hf."""
     check_paths(load, save, overwrite, dry_run)
-    ckpt = open_checkpoint(load, iteration, fmt)
+    if options.trust_checkpoint:
+        from mindspeed_proxy.checkpoint_io import warn_trusted
+
+        warn_trusted(f"--load {load}")
+    ckpt = open_checkpoint(load, iteration, fmt, options.trust_checkpoint)
     try:
         if ckpt.format == "hf":
             from mindspeed_proxy.proxy.hf_io import check_options

@@ -123,7 +123,7 @@ class DistIndex:
     """What a torch_dist folder holds: common state, model tensor keys with shapes, layers per stacked key,
     sharded objects; files checked against the metadata (missing or truncated .distcp refused)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, trust: bool = False):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -140,7 +140,10 @@ class DistIndex:
         if not os.path.isfile(os.path.join(folder, "common.pt")):
             raise ConversionError(f"{folder}: missing common.pt (incomplete torch_dist checkpoint)")
         try:
-            self.common = safe_torch_load(os.path.join(folder, "common.pt"))
+            self.common = safe_torch_load(os.path.join(folder, "common.pt"), trust=trust)
+        except ValueError as exc:  # names the file and what is wrong (refused type, truncation)
+            raise ConversionError(str(exc)) from None
+        try:
             meta = FileSystemReader(folder).read_metadata()
         except Exception as exc:
             raise ConversionError(f"truncated or unreadable shard: {folder}: {exc}") from None
@@ -182,10 +185,10 @@ class DistCheckpoint:
     format = "torch_dist"
     chunks = ["model"]
 
-    def __init__(self, root: str, iteration: Optional[int] = None):
-        self.root = root
+    def __init__(self, root: str, iteration: Optional[int] = None, trust: bool = False):
+        self.root, self.trust = root, trust
         self.iteration, self.folder = resolve_iteration(root, iteration)
-        self.index = DistIndex(self.folder)
+        self.index = DistIndex(self.folder, trust)
         common = self.index.common
         if "args" not in common:
             raise ConversionError(f"{self.folder}/common.pt: no 'args' recorded")

@@ -92,14 +92,19 @@ def expert_row_groups(ckpt, layer):
             yield [ckpt.expert(layer, g, tp)[name] for g in range(L.num_experts)]
 
 
-def weight_similarity(ckpt, layer) -> np.ndarray:
-    """E x E cosine similarity of `layer`'s experts: flattened weights (+) router rows, equally weighted."""
+def weight_grams(ckpt, layer) -> list:
+    """[E x E Gram of the flattened expert weights, E x E Gram of the router rows] (float64) of `layer`."""
     L = ckpt.layout
     gram = np.zeros((L.num_experts, L.num_experts))
     for rows in expert_row_groups(ckpt, layer):
         gram += streamed_gram(rows)
     router = ckpt.router(layer)["weight"].to(torch.float64)
-    return similarity_from_parts([gram, (router @ router.T).numpy()])
+    return [gram, (router @ router.T).numpy()]
+
+
+def weight_similarity(ckpt, layer) -> np.ndarray:
+    """E x E cosine similarity of `layer`'s experts: flattened weights (+) router rows, equally weighted."""
+    return similarity_from_parts(weight_grams(ckpt, layer))
 
 
 def similarity_from_parts(grams: list) -> np.ndarray:

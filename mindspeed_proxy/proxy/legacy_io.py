@@ -82,8 +82,8 @@ class LegacyCheckpoint:
 
     format = "torch"
 
-    def __init__(self, root: str, iteration: Optional[int] = None):
-        self.root = root
+    def __init__(self, root: str, iteration: Optional[int] = None, trust: bool = False):
+        self.root, self.trust = root, trust
         self.iteration, self.folder = resolve_iteration(root, iteration)
         names = sorted(n for n in os.listdir(self.folder) if n.startswith("mp_rank_"))
         if not names:
@@ -120,9 +120,9 @@ class LegacyCheckpoint:
 
     def _load(self, path: str) -> dict:
         try:
-            return safe_torch_load(path, mmap=True)
-        except ValueError as exc:
-            raise ConversionError(f"truncated or unreadable shard: {exc}") from None
+            return safe_torch_load(path, mmap=True, trust=self.trust)
+        except ValueError as exc:  # names the file and what is wrong (refused type, truncation)
+            raise ConversionError(str(exc)) from None
 
     def state(self, tp: int, pp: int, ep: int) -> dict:
         """The mmapped content of file (tp, pp, ep)."""

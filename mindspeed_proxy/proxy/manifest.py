@@ -45,6 +45,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
                        "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"],
                        "calibration_usage": calibration_usage.get(layer.global_layer),
                        "calibration_saliency": calibration_saliency.get(layer.global_layer),
+                       "non_finite_experts": sorted(plan.non_finite.get(layer, {})),
+                       "excluded_from_selection": d.get("excluded", []),
                        **({"merge_weights": d["merge"]} if "merge" in d else {}),
                        **({"reconstruction": d["reconstruction"]} if "reconstruction" in d else {})})
     return {
@@ -67,6 +69,9 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
         "calibration_tokens": (inputs.get("calibration_data") or {}).get("tokens"),
         "inputs": {k: inputs.get(k) for k in ("usage_file", "calibration_data", "features_file")},
         "keep_optimizer_args": plan.options.keep_optimizer_args,
+        "non_finite_experts": {"mode": plan.options.non_finite_experts, "experts": [
+            {"layer": layer.global_layer, "expert": g, "tensors": tensors, "kept_in_proxy": g in plan.kept[layer]}
+            for layer, found in plan.non_finite.items() for g, tensors in sorted(found.items())]},
         "ep_mapping": {"source": {"expert_model_parallel_size": s.ep, "tp_extend_ep": s.tp_extend_ep,
                                   "global_id_to_rank_local": s.mapping()},
                        "proxy": {"expert_model_parallel_size": t.ep, "tp_extend_ep": t.tp_extend_ep,

@@ -1,10 +1,12 @@
 """`--features outputs`: mean expert outputs on calibration tokens, from the original model run in this process.
 
 The original model is built once at TP = PP = EP = 1 (world-1 gloo group, CPU platform layer when torch has
-no accelerator) with the trainer's builder (`mindspeed_proxy.tiny_moe`: local spec, RMSNorm, SwiGLU, RoPE)
-from the checkpoint's args, with all E experts, and loaded with strict key checking: torch_dist through
-megatron's `dist_checkpointing.load` (which reshards any source TP/PP/EP), legacy by merging the EP ranks'
-files and PP stages / VPP chunks of TP rank 0 (legacy TP shards do not reshard, so legacy needs TP = 1).
+no accelerator) from the checkpoint's args, with all E experts: args written by Megatron-LM go through
+`args_model` (megatron-core's TransformerConfig and local block spec from the args' own fields, as
+Megatron-LM builds it), args of our trainer through its builder (`mindspeed_proxy.tiny_moe`); it is loaded
+with strict key checking: torch_dist through megatron's `dist_checkpointing.load` (which reshards any
+source TP/PP/EP), legacy by merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy
+TP shards do not reshard, so legacy needs TP = 1).
 During the forward, a pre-hook on every MoE layer takes its input x (after the pre-MLP norm), every expert
 is applied to every token (the layer's experts module called with all tokens for each expert and
 probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
@@ -42,8 +44,16 @@ def _unsupported(args) -> list:
 
 
 def model_config_from_args(args):
-    """TinyMoEConfig of the original model at EP = 1, from the checkpoint's args; ConversionError if unsupported."""
+    """The original model's config at EP = 1, from the checkpoint's args: megatron-core's TransformerConfig
+    for Megatron-LM's args (args_model), else the trainer's TinyMoEConfig; ConversionError if unsupported.
+    Either has vocab_size and hidden_size."""
+    from mindspeed_proxy.proxy import args_model
     from mindspeed_proxy.training.arguments import model_config
+
+    if args_model.from_megatron_lm(args):
+        config = args_model.transformer_config(args)
+        config.vocab_size = args.padded_vocab_size
+        return config
 
     bad = _unsupported(args)
     if bad:
@@ -128,7 +138,11 @@ def _load(model, ckpt) -> None:
             state = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder)
         state = state["model"]
     else:
+        from mindspeed_proxy.proxy import args_model
+
         state = legacy_state(ckpt)
+        if args_model.from_megatron_lm(ckpt.args):
+            state = args_model.tied_output(ckpt.args, state)
         _check_fits(sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor)))
     try:
         model.load_state_dict(state, strict=True)
@@ -250,6 +264,7 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
 
     from mindspeed_proxy import platform
     from mindspeed_proxy.proxy.dist_io import close_group, ensure_group
+    from mindspeed_proxy.proxy import args_model
     from mindspeed_proxy.tiny_moe import build_model
 
     created = not dist.is_initialized()
@@ -258,8 +273,11 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = build_model(cfg)
-        gpt = getattr(model, "module", model)
+            if args_model.from_megatron_lm(ckpt.args):
+                model, gpt = args_model.build(ckpt.args)
+            else:
+                model = build_model(cfg)
+                gpt = getattr(model, "module", model)
         _load(gpt, ckpt)
         ckpt.release()
         device = platform.device()

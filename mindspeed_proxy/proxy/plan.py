@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
-from mindspeed_proxy.proxy import clustering, features, reconstruction
+from mindspeed_proxy.proxy import clustering, features, nonfinite, reconstruction
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
 
@@ -33,6 +34,8 @@ class Options:
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64
     keep_optimizer_args: bool = False  # keep opt_param_scheduler; launch without --finetune
+    trust_checkpoint: bool = False  # full unpickling of the source's .pt files (never the default)
+    non_finite_experts: str = "refuse"  # experts with NaN/Inf weights: refuse, keep (selectable) or exclude
 
     @property
     def bit_exact(self) -> bool:
@@ -54,6 +57,7 @@ class Plan:
     options: Options
     kept: dict = field(default_factory=dict)      # MoELayer -> kept source global ids, ascending
     details: dict = field(default_factory=dict)   # MoELayer -> cluster_layer() result
+    non_finite: dict = field(default_factory=dict)  # MoELayer -> {global id: [tensors holding NaN/Inf]}
     new_args: Optional[argparse.Namespace] = None
     args_diff: dict = field(default_factory=dict)
     bytes_to_write: int = 0
@@ -98,6 +102,11 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
     check_selection_options(options, plan.fmt)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
+    nonfinite.scan_dense(ckpt)
+    if _reads_data(options):  # the calibration forward, or FILE features, never see the experts' Gram
+        every = range(source.num_experts)
+        plan.non_finite = {l: f for l in ckpt.layers if (f := nonfinite.scan_experts(ckpt, l, every))}
+        _check_non_finite(plan, options, before_forward=True)
     plan.inputs = _gather_inputs(ckpt, options, plan)
     if not usage and plan.inputs.get("calibration_usage"):
         usage = {layer: plan.inputs["calibration_usage"][layer.global_layer] for layer in ckpt.layers}
@@ -112,26 +121,76 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         if plan.vectors:
             sim = features.similarity_from_vectors(plan.vectors[layer.global_layer])
         else:
-            sim = features.weight_similarity(ckpt, layer)
-        if options.selection == "random":
-            result = clustering.random_selection(sim, options.target_k, (options.seed, index), rules["num_groups"])
-        elif options.selection == "reconstruction":
-            result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
-            result["reconstruction"]["inputs"] = options.reconstruction_inputs
-        elif options.selection == "usage":
-            result = clustering.usage_selection(sim, options.target_k, usage[layer], rules["num_groups"])
-        else:
-            result = clustering.cluster_layer(sim, options.target_k, options.cluster, options.seed,
-                                              rules["num_groups"], options.representative, usage.get(layer),
-                                              saliency.get(layer.global_layer), options.usage_weighted)
-            if options.representative == "merge":
-                result["merge"] = clustering.merge_weights(result["labels"], result["kept"], usage[layer])
+            grams = features.weight_grams(ckpt, layer)
+            found = nonfinite.confirm(ckpt, layer, nonfinite.suspects_from_grams(grams))
+            if found:
+                plan.non_finite[layer] = found
+                grams = nonfinite.masked_grams(grams, found)
+            sim = features.similarity_from_parts(grams)
+        if plan.non_finite and options.non_finite_experts == "refuse":
+            ckpt.release()
+            continue  # every layer is scanned, so that the refusal names all of them
+        bad = set(plan.non_finite.get(layer, {})) if options.non_finite_experts == "exclude" else set()
+        result = _select(options, plan, layer, index, sim, options.target_k, rules["num_groups"], usage.get(layer),
+                         saliency.get(layer.global_layer), bad)
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
+    _check_non_finite(plan, options)
     plan.inputs.pop("chosen", None)
     plan.bytes_to_write = _bytes_to_write(ckpt, plan)
     return plan
+
+
+def _forward(options: Options) -> bool:
+    """True when the original model is run on calibration tokens."""
+    return options.feature_type == "outputs" or options.selection == "reconstruction" or \
+        options.representative == "saliency"
+
+
+def _reads_data(options: Options) -> bool:
+    """True when the experts are chosen from a calibration forward or a features FILE (not their Gram)."""
+    return options.feature_type == "file" or _forward(options)
+
+
+def _check_non_finite(plan: Plan, options: Options, before_forward: bool = False) -> None:
+    """Refuse (one line) non-finite experts unless --non-finite-experts keep/exclude; a calibration forward
+    cannot run on them either way (NaN/Inf would reach every later layer's features)."""
+    if not plan.non_finite:
+        return
+    if options.non_finite_experts == "refuse":
+        raise ConversionError(nonfinite.refusal(plan.non_finite))
+    if before_forward and _forward(options):
+        raise ConversionError(nonfinite.refusal(plan.non_finite, hint=False) + "; the calibration forward "
+                              "(--features outputs, --selection reconstruction, --representative saliency) cannot "
+                              "run on them: use --features weights or FILE")
+    if options.representative == "merge":
+        raise ConversionError("--representative merge averages experts: not with non-finite experts in the source")
+
+
+def _select(options: Options, plan: Plan, layer, index: int, sim, k: int, groups, usage, saliency,
+            bad: set) -> dict:
+    """One layer's selection (kept ids, labels, ...) of `k` experts; experts in `bad` are never selected
+    (`usage` / `saliency`: this layer's per-expert lists or None)."""
+    if bad:
+        def run(idx, per):
+            pick = lambda v: None if v is None else [v[i] for i in idx]  # noqa: E731
+            return _select(options, plan, layer, index, sim[np.ix_(idx, idx)], per, None, pick(usage),
+                           pick(saliency), set())
+        return clustering.without(sim, k, bad, groups, run)
+    if options.selection == "random":
+        return clustering.random_selection(sim, k, (options.seed, index), groups)
+    if options.selection == "reconstruction":
+        result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
+        result["reconstruction"]["inputs"] = options.reconstruction_inputs
+        return result
+    if options.selection == "usage":
+        return clustering.usage_selection(sim, k, usage, groups)
+    result = clustering.cluster_layer(sim, k, options.cluster, options.seed, groups, options.representative, usage,
+                                      saliency, options.usage_weighted)
+    if options.representative == "merge":
+        result["merge"] = clustering.merge_weights(result["labels"], result["kept"], usage)
+    return result
 
 
 def check_selection_options(options: Options, fmt: str) -> None:
@@ -271,6 +330,9 @@ def describe(plan: Plan) -> str:
                      f"from {calib['path']}, sha256 {calib['tokens_sha256'][:16]}")
     if plan.inputs.get("usage_source"):
         lines.append(f"usage counts from: {plan.inputs['usage_source']}")
+    if plan.non_finite:
+        lines.append(f"non-finite experts ({plan.options.non_finite_experts}): " + "; ".join(
+            f"{layer.name}: {sorted(found)}" for layer, found in plan.non_finite.items()))
     for layer, kept in plan.kept.items():
         d = plan.details[layer]
         lines.append(f"  {layer.name}: keep {kept}  cluster sizes {d['sizes']}  labels {d['labels']}")
@@ -301,8 +363,25 @@ def start_note(plan: Plan) -> str:
 
 
 def launch_flags(plan: Plan, out_dir: str) -> str:
-    """The Megatron flags that load the proxy."""
-    t = plan.target
-    start = "--no-load-optim --no-load-rng" if plan.options.keep_optimizer_args else \
-        "--finetune --no-load-optim --no-load-rng"
-    return f"--num-experts {t.num_experts} --expert-model-parallel-size {t.ep} --load {out_dir} {start}"
+    """The Megatron-LM flags that load the proxy (on top of the source's model flags): its whole parallel
+    layout, its expert count, the checkpoint format and how it starts. Megatron-LM refuses a legacy
+    checkpoint at another TP/PP, and a torch_dist one built for other experts, so none is left implied."""
+    t, args = plan.target, plan.new_args
+    flags = [f"--tensor-model-parallel-size {t.tp}", f"--pipeline-model-parallel-size {t.pp}"]
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage:
+        flags.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+    elif t.vpp:
+        flags.append(f"--virtual-pipeline-model-parallel-size {t.vpp}")
+    flags += [f"--expert-model-parallel-size {t.ep}"]
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != t.tp:
+        flags.append(f"--expert-tensor-parallel-size {etp}")
+    if t.tp_extend_ep:
+        flags.append("--moe-tp-extend-ep")
+    flags += [f"--num-experts {t.num_experts}", f"--ckpt-format {plan.fmt}", f"--load {out_dir}"]
+    if plan.fmt == "torch_dist":
+        flags.append("--dist-ckpt-strictness raise_all")  # a key the proxy lacks or adds fails the load
+    flags.append("--no-load-optim --no-load-rng" if plan.options.keep_optimizer_args else
+                 "--finetune --no-load-optim --no-load-rng")
+    return " ".join(flags)

@@ -44,7 +44,9 @@ def verify_legacy(ckpt, plan, out_root: str) -> dict:
             for ep in range(tgt.ep):
                 path = os.path.join(folder, rank_dir_name(tp, pp, ep, tgt), FILE)
                 pages.register(path)  # both sides are mmapped; each compared pair's pages are dropped after
-                _verify_file(ckpt, plan, path, safe_torch_load(path, mmap=True), tp, pp, ep, counts)
+                state = safe_torch_load(path, mmap=True, trust=ckpt.trust)
+                _verify_file(ckpt, plan, path, state, tp, pp, ep, counts)
+                del state
                 ckpt.release()
                 counts["files"] += 1
     if merge.is_merge(plan):
@@ -120,7 +122,7 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
     tracker = open(os.path.join(out_root, "latest_checkpointed_iteration.txt"), encoding="utf-8").read().strip()
     if tracker != str(ckpt.iteration):
         _fail(out_root, f"tracker says {tracker!r}, source iteration is {ckpt.iteration}")
-    out, src = D.DistIndex(folder), ckpt.index
+    out, src = D.DistIndex(folder, ckpt.trust), ckpt.index
     K = plan.target.num_experts
     _verify_common(ckpt, plan, folder, out.common)
     if set(out.tensors) != set(src.tensors):

@@ -96,7 +96,9 @@ def test_dist_proxy_bit_exact_and_matches_masked_original(dist_checkpoints, hash
     out = str(tmp_path / "proxy")
     run = _convert(src, out, ep_dst, k, selection)
     assert run.returncode == 0, run.stderr
-    assert "verified: " in run.stdout and f"--num-experts {k} --expert-model-parallel-size {ep_dst}" in run.stdout
+    assert "verified: " in run.stdout
+    assert f"--expert-model-parallel-size {ep_dst} --num-experts {k} --ckpt-format torch_dist --load {out} " \
+        "--dist-ckpt-strictness raise_all" in run.stdout, run.stdout
     kept, manifest = _kept(out)
     assert manifest["format"] == "torch_dist" and sorted(kept) == [0, 1]
     assert all(len(v) == k and v == sorted(v) for v in kept.values())

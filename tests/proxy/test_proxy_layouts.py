@@ -115,6 +115,11 @@ def test_dist_pp2_vpp2_proxy_reshards_and_matches_masked_original(dist_checkpoin
     out = str(tmp_path / "proxy")
     run = convert_subprocess(src, out, 1, 4, "random")
     assert run.returncode == 0, run.stderr
+    flags = [line for line in run.stdout.splitlines() if line.startswith("launch flags: ")]
+    assert flags == ["launch flags: --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+                     "--num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 1 --num-experts 4 "
+                     f"--ckpt-format torch_dist --load {out} --dist-ckpt-strictness raise_all "
+                     "--finetune --no-load-optim --no-load-rng"], run.stdout  # the whole layout, nothing implied
     kept, _ = _kept(out)
     assert sorted(kept) == [0, 1, 2, 3]
     source, proxy = read_all(os.path.join(src, ITER2)), read_all(os.path.join(out, ITER2))
