@@ -19,7 +19,9 @@ NOISE_START = 8
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--rl-partial-credit", "0.5", "--seed", "7"]
 BASE = MODEL + ["--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "8",
-                "--rl-eval-prompts", "0", "--lr", "1e-3", "--min-lr", "1e-3"]
+                "--rl-eval-prompts", "0", "--lr", "1e-3", "--min-lr", "1e-3", "--grpo-iterations", "1",
+                "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2", "--grpo-kl-beta", "0",
+                "--grpo-filter-groups-with-same-reward"]
 SFT = MODEL + ["--train-iters", "250", "--global-batch-size", "32", "--log-interval", "1000"]
 NOISE = f"rollout-router-noise:start={NOISE_START},std=0.5"
 CONFIGS = {
@@ -138,6 +140,7 @@ def test_expert_usage_file_is_layout_independent_and_counts_every_routed_token(r
     (["--grpo-prompts-per-step", "3"], "not divisible by the data-parallel size 2"),
     (["--rl-task", "sudoku"], "--rl-task 'sudoku': unknown task"),
     (["--tensor-model-parallel-size", "2"], "TP=1"),
+    (["--grpo-kl-beta", "nan"], "--grpo-kl-beta nan: not a finite number"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     log = tmp_path / "logs"
@@ -149,6 +152,42 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: ") and message in lines[0], \
         proc.stderr
     assert not log.exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "inf"], "--lr inf: not a finite number"),
+    (["--grpo-clamp-eps-lower", "-1"], "--grpo-clamp-eps-lower -1.0: must be >= 0"),
+    (["--grpo-clamp-eps-lower", "1"], "must be < 1"),
+    (["--rl-icepop-low", "2", "--rl-icepop-high", "0.5"], "need 0 <= low <= high"),
+    (["--rl-icepop-low", "0.5"], "go together"),
+    (["--rl-ratio-type", "sequence", "--rl-loss-aggregation", "token-mean"], "GSPO"),
+    (["--rl-importance-sampling-truncation-coef", "2"], "add --rl-inference-logprobs-is-correction"),
+    (["--rl-importance-sampling-truncation-coef", "0", "--rl-inference-logprobs-is-correction"], "must be > 0"),
+    (["--rl-dual-clip", "0.5"], "--rl-dual-clip 0.5: must be > 1"),
+    (["--rl-default-top-p", "0.9", "--rl-default-top-k", "5"], "exclude each other"),
+    (["--rl-default-top-p", "1.5"], "must be in [0, 1]"),
+    (["--grpo-iterations", "0"], "--grpo-iterations 0: must be >= 1"),
+    (["--grpo-group-size", "3", "--grpo-prompts-per-step", "4", "--global-batch-size", "8"], "does not divide"),
+    (["--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "3"], "--micro-batch-size 3"),
+])
+def test_bad_values_are_refused_at_parse_time(flags, message):
+    from mindspeed_proxy.rl.arguments import ArgumentError, parse
+
+    with pytest.raises(ArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse(flags, "mindspeed_proxy.rl.train")
+
+
+def test_megatron_lm_defaults():
+    from mindspeed_proxy.rl.arguments import grpo_config, parse
+
+    args = parse([], "mindspeed_proxy.rl.train")
+    cfg = grpo_config(args)
+    assert (cfg.group_size, cfg.prompts_per_step, cfg.iterations) == (2, 32, 2)
+    assert (cfg.clamp_eps_lower, cfg.clamp_eps_upper, cfg.kl_beta, cfg.entropy_weight) == (0.01, 0.01, 0.001, 0.0)
+    assert not cfg.filter_groups_with_same_reward and not cfg.correction.active
+    assert (args.rl_default_temperature, args.rl_default_top_p, args.rl_default_top_k) == (1.0, 0.0, -1)
+    assert args.check_for_nan_in_loss_and_grad and cfg.aggregation == "token-mean"
+    assert grpo_config(parse(["--rl-ratio-type", "sequence"], "x")).aggregation == "seq-mean-token-mean"
 
 
 @pytest.mark.parametrize("name", ["lowp", "lag"])
