@@ -60,6 +60,11 @@ def test_grad_overflow_poisons_the_chosen_step_at_ep2(healthy):
     for faulty in runs:
         assert [s["grad_norm"] for s in faulty[:4]] == pytest.approx([s["grad_norm"] for s in healthy[:4]], rel=1e-5)
         assert not math.isfinite(faulty[4]["grad_norm"])
+        # the poisoned step is never applied (fp32: no grad scaler; the trainer's non-finite check skips it),
+        # it still counts as step 5, and training goes on from the weights before it
+        assert [s["skipped"] for s in faulty] == [False] * 4 + [True] + [False] * (STEPS - 5)
+        assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in faulty[5:])
+        assert faulty[5]["loss"] != pytest.approx(healthy[5]["loss"], rel=1e-6)  # step 6 lacks step 5's update
 
 
 @pytest.mark.parametrize("text,message", [

@@ -220,6 +220,9 @@ class Trainer:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             ok, grad_norm = False, float("nan")
+            count = getattr(self.optimizer, "count_skipped_step", None)  # the step counter of patched runs
+            if count is not None:
+                count()
         else:
             ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
