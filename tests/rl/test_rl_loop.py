@@ -5,7 +5,10 @@ repeats the equivalence configuration; the tests read their metrics.jsonl / moni
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,10 +38,16 @@ CONFIGS = {
                "--rl-routing-replay", "r2"],
     "lowp": ["--train-iters", "3", "--inject-fault", "sampler-lowp:start=2,format=bf16"],
     "lag": ["--train-iters", "3", "--inject-fault", "policy-lag:start=2,steps=1"],
+    # a NaN gradient at step 2: skipped and counted, or (the default check) the run stops naming the step
+    "nan_skip": ["--train-iters", "3", "--inject-fault", "grad-overflow:start=2,param=router,value=nan",
+                 "--no-check-for-nan-in-loss-and-grad"],
+    "nan_stop": ["--train-iters", "3", "--inject-fault", "grad-overflow:start=2,param=router,value=nan"],
 }
 
 
 def _run_configs(root: str, names: list[str], ep: int) -> None:
+    import torch
+
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl import sft
     from mindspeed_proxy.rl.train import main
@@ -53,8 +62,18 @@ def _run_configs(root: str, names: list[str], ep: int) -> None:
             CONFIGS[name] else []
         if name == "layout":
             extra += ["--rl-save-expert-usage", os.path.join(log, "usage.json")]
-        main(BASE + CONFIGS[name] + ["--expert-model-parallel-size", str(ep), "--log-dir", log, "--load", ckpt]
-             + extra)
+        argv = BASE + CONFIGS[name] + ["--expert-model-parallel-size", str(ep), "--log-dir", log, "--load", ckpt] + extra
+        if name != "nan_stop":
+            main(argv)
+            continue
+        err, code = io.StringIO(), None
+        with contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        with open(os.path.join(log, f"stop{torch.distributed.get_rank()}.json"), "w", encoding="utf-8") as fh:
+            json.dump({"code": code, "stderr": err.getvalue()}, fh)
     RUNTIME.reset()
 
 
@@ -152,6 +171,25 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: ") and message in lines[0], \
         proc.stderr
     assert not log.exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_non_finite_step_is_skipped_and_counted_or_stops_the_run(runs):
+    steps = _records(os.path.join(runs, "nan_skip_ep2", "metrics.jsonl"))
+    assert [r["skipped_steps"] for r in steps] == [0, 1, 0]
+    assert all(math.isfinite(r["entropy"]) and math.isfinite(r["loss"]) for r in steps)
+    assert math.isfinite(steps[2]["grad_norm"])
+    stopped = _records(os.path.join(runs, "nan_stop_ep2", "metrics.jsonl"))
+    assert [r["iteration"] for r in stopped] == [1]
+    for rank in (0, 1):
+        with open(os.path.join(runs, "nan_stop_ep2", f"stop{rank}.json"), encoding="utf-8") as fh:
+            stop = json.load(fh)
+        assert stop["code"] == 1
+        lines = [line for line in stop["stderr"].splitlines() if "error" in line]  # (warnings aside)
+        if rank == 0:
+            assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: RL step 2 (optimizer "
+                                                           "step 2): NaN or inf"), lines
+        else:
+            assert not lines
 
 
 @pytest.mark.parametrize("flags, message", [
