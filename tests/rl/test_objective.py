@@ -212,3 +212,19 @@ def test_constant_reward_groups_keep_kl_and_entropy_unless_filtered():
     value2, _ = ours(filtered, lp2, cfg, "token-mean")
     (grad2,) = torch.autograd.grad(value2, lp2)
     assert (grad2[constant] == 0).all() and float(value2) != float(value)
+
+
+def test_top_k_and_top_p_sampling_keep_only_their_tokens():
+    from mindspeed_proxy.rl.sampler import sample_from
+
+    logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]] * 400), dim=-1)
+    uniforms = torch.linspace(0, 0.9999, 400)
+    assert set(sample_from(logp, uniforms, 0.0, 2).tolist()) == {0, 1}
+    assert set(sample_from(logp, uniforms, 0.0, 1).tolist()) == {0}  # top-k 1 = greedy
+    probs = logp[0].exp()
+    nucleus = int((probs.cumsum(0) - probs < 0.8).sum())
+    assert set(sample_from(logp, uniforms, 0.8, -1).tolist()) == set(range(nucleus))
+    assert set(sample_from(logp, uniforms, 0.0, -1).tolist()) == set(range(5))  # both off (Megatron-LM's 0 / -1)
+    # inside the kept set, the renormalised distribution: token 0's share under top-k 2
+    share = float((sample_from(logp, uniforms, 0.0, 2) == 0).double().mean())
+    assert share == pytest.approx(float(probs[0] / probs[:2].sum()), abs=0.01)
