@@ -228,3 +228,24 @@ def test_top_k_and_top_p_sampling_keep_only_their_tokens():
     # inside the kept set, the renormalised distribution: token 0's share under top-k 2
     share = float((sample_from(logp, uniforms, 0.0, 2) == 0).double().mean())
     assert share == pytest.approx(float(probs[0] / probs[:2].sum()), abs=0.01)
+
+
+def test_rejected_fractions_and_ess_of_the_applied_weights():
+    from mindspeed_proxy.rl.correction import rollout_correction
+    from mindspeed_proxy.rl.stats import finalize_importance, finalize_rejection, importance_sums, rejection_sums
+
+    batch = make_batch(4)
+    mask = torch.tensor(batch["mask"])
+    old, rollout = torch.tensor(batch["old"]), torch.tensor(batch["rollout"])
+    weights, kept = rollout_correction(old, rollout, mask, Correction(is_level="geometric", rejection="geometric",
+                                                                      low=0.95, high=1.05))
+    rows = [i for i in range(B) if batch["mask"][i].any()]
+    geo = {i: math.exp(float((old[i] - rollout[i])[mask[i]].mean())) for i in rows}
+    out = [i for i in rows if not 0.95 <= geo[i] <= 1.05]
+    assert 0 < len(out) < len(rows)
+    metrics = finalize_rejection(rejection_sums(kept, mask))
+    assert metrics["rejected_seq_frac"] == pytest.approx(len(out) / len(rows), abs=1e-15)
+    assert metrics["rejected_token_frac"] == pytest.approx(sum(int(mask[i].sum()) for i in out) / int(mask.sum()))
+    applied = [geo[i] for i in rows if i not in out for _ in range(int(mask[i].sum()))]
+    ess = finalize_importance(importance_sums(weights, kept))["ess"]
+    assert ess == pytest.approx(sum(applied) ** 2 / (len(applied) * sum(w * w for w in applied)), rel=1e-12)

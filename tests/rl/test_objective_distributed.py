@@ -16,24 +16,28 @@ MODES = {
     "token-mean": dict(aggregation="token-mean", kl_beta=0.01),
     "seq-mean-token-mean+dual-clip+k2": dict(aggregation="seq-mean-token-mean", dual_clip=3.0, kl_beta=0.05,
                                              kl_estimator="k2"),
-    "seq-mean-token-sum+icepop": dict(aggregation="seq-mean-token-sum", correction=("icepop", 0.7, 1.4)),
+    "seq-mean-token-sum+icepop": dict(aggregation="seq-mean-token-sum",
+                                      correction=dict(is_level="token", rejection="token", low=0.7, high=1.4)),
     "dr-grpo+is-sequence+entropy": dict(aggregation="seq-mean-token-sum-norm", entropy_weight=0.01,
-                                         correction=("sequence", 2.0)),
+                                         correction=dict(is_level="sequence", truncation=2.0)),
     "gspo": dict(aggregation="seq-mean-token-mean", ratio_type="sequence", kl_beta=0.01),
-    "token-mean+reject-geometric": dict(aggregation="token-mean", correction=("geometric-reject", 0.9, 1.1)),
+    "token-mean+reject-geometric": dict(aggregation="token-mean",
+                                        correction=dict(rejection="geometric", low=0.9, high=1.1)),
+    "token-mean+tis+k1": dict(aggregation="token-mean", kl_beta=0.02, kl_estimator="k1",
+                              correction=dict(is_level="token", truncation=1.1)),
+    "seq-mean-token-mean+is-geometric": dict(aggregation="seq-mean-token-mean",
+                                             correction=dict(is_level="geometric")),
+    "seq-mean-token-sum+icepop-mask-only": dict(aggregation="seq-mean-token-sum",
+                                                correction=dict(rejection="token", low=0.7, high=1.4)),
+    "token-mean+reject-sequence+is-token": dict(aggregation="token-mean", correction=dict(
+        is_level="token", rejection="sequence", low=0.3, high=3.0)),
 }
 
 
 def _correction(spec):
-    from mindspeed_proxy.rl.correction import Correction, icepop
+    from mindspeed_proxy.rl.correction import Correction
 
-    if spec is None:
-        return Correction()
-    if spec[0] == "icepop":
-        return icepop(spec[1], spec[2])
-    if spec[0] == "sequence":
-        return Correction(is_level="sequence", truncation=spec[1])
-    return Correction(rejection="geometric", low=spec[1], high=spec[2])
+    return Correction(**(spec or {}))
 
 
 def _global_batch(engine):
