@@ -228,6 +228,23 @@ def test_megatron_lm_defaults():
     assert grpo_config(parse(["--rl-ratio-type", "sequence"], "x")).aggregation == "seq-mean-token-mean"
 
 
+def test_a_megatron_lm_grpo_flag_set_means_the_same_or_is_refused(capsys):
+    """The GRPO flags of Megatron-LM core_v0.16.1's examples/rl/model_configs/qwen3_30b_a3b_moe.sh (defaults)."""
+    from mindspeed_proxy.rl.arguments import grpo_config, parse
+
+    flags = ["--grpo-group-size", "16", "--grpo-prompts-per-step", "64", "--grpo-iterations", "1",
+             "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2", "--grpo-kl-beta", "0.0",
+             "--global-batch-size", "256", "--micro-batch-size", "1"]
+    args = parse(flags, "mindspeed_proxy.rl.train")
+    cfg = grpo_config(args)
+    assert (cfg.group_size, cfg.prompts_per_step, cfg.iterations) == (16, 64, 1)
+    assert (cfg.clamp_eps_lower, cfg.clamp_eps_upper, cfg.kl_beta) == (0.2, 0.2, 0.0)
+    assert (args.global_batch_size, args.micro_batch_size) == (256, 1)
+    with pytest.raises(SystemExit) as exc:  # its environment config: Megatron-LM's agent stack, not ours
+        parse(flags + ["--langrl-env-config", "env.yaml"], "mindspeed_proxy.rl.train")
+    assert exc.value.code == 2 and "unrecognized arguments: --langrl-env-config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["lowp", "lag"])
 def test_sampler_precision_and_policy_lag_faults_open_a_train_rollout_gap(runs, name):
     first, *faulted = _records(os.path.join(runs, f"{name}_ep2", "metrics.jsonl"))
