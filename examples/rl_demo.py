@@ -20,8 +20,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The demo's objective, explicit (Megatron-LM's defaults differ: 2 iterations, eps 0.01, KL beta 0.001, constant-
+# reward groups kept): one pass per step, eps 0.2, no KL, constant-reward groups left out.
+OBJECTIVE = ["--grpo-iterations", "1", "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2",
+             "--grpo-kl-beta", "0", "--grpo-filter-groups-with-same-reward"]
 GRPO = ["--lr", "5e-4", "--min-lr", "5e-4", "--grpo-prompts-per-step", "16", "--grpo-group-size", "8",
-        "--log-interval", "25", "--seed", "1234"]
+        "--log-interval", "25", "--seed", "1234"] + OBJECTIVE
 FAULT = "rollout-router-noise:start=15,std=0.5"
 
 

@@ -39,6 +39,7 @@ def attach_monitor(optimizer, monitor) -> None:
         return result
 
     optimizer.step = step
+    optimizer.count_skipped_step = RUNTIME.step_done  # a step the trainer does not apply still counts
     optimizer._mindspeed_proxy_step = True
     optimizer.mechanism_monitor = monitor
 

@@ -84,6 +84,11 @@ def test_grad_overflow_poisons_the_chosen_step_at_ep2(healthy):
     for faulty in runs:
         assert [s["grad_norm"] for s in faulty[:4]] == pytest.approx([s["grad_norm"] for s in healthy[:4]], rel=1e-5)
         assert not math.isfinite(faulty[4]["grad_norm"])
+        # the poisoned step is never applied (fp32: no grad scaler; the trainer's non-finite check skips it),
+        # it still counts as step 5, and training goes on from the weights before it
+        assert [s["skipped"] for s in faulty] == [False] * 4 + [True] + [False] * (STEPS - 5)
+        assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in faulty[5:])
+        assert faulty[5]["loss"] != pytest.approx(healthy[5]["loss"], rel=1e-6)  # step 6 lacks step 5's update
 
 
 @pytest.mark.parametrize("text,message", [
@@ -170,3 +175,39 @@ def test_grad_overflow_with_fp16_loss_scaling_skips_the_step_and_recovers():
     assert faulty[4]["scale"] <= healthy16[4]["scale"]  # (halved only after `hysteresis` overflows)
     assert all(math.isfinite(s["loss"]) for s in faulty)
     assert [s["loss"] for s in faulty[:5]] == [s["loss"] for s in healthy16[:5]]
+
+
+def train_cli(argv):
+    """The trainer's command in this rank; returns its exit code and its stderr error lines."""
+    import contextlib
+    import io
+
+    from mindspeed_proxy.patches.runtime import RUNTIME
+    from mindspeed_proxy.training.loop import train
+
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            train(argv)
+        except SystemExit as exc:
+            code = exc.code
+    RUNTIME.reset()
+    return code, [line for line in err.getvalue().splitlines() if "error" in line]
+
+
+def test_trainer_stops_at_a_non_finite_step_or_skips_it_with_the_flag(tmp_path):
+    base = ["--num-layers", "2", "--train-iters", "4", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "--lr-warmup-iters", "0", "--inject-fault", "grad-overflow:start=2,param=router,value=nan"]
+    stop = run_distributed(train_cli, 1, base + ["--log-dir", str(tmp_path / "stop")])
+    assert stop[0] == (1, ["train_moe.py: error: iteration 2: NaN or inf in the loss or the gradients; the step was "
+                           "not applied and the run stops (--no-check-for-nan-in-loss-and-grad skips and counts such "
+                           "steps)"])
+    skip = run_distributed(train_cli, 1, base + ["--log-dir", str(tmp_path / "skip"),
+                                                 "--no-check-for-nan-in-loss-and-grad"])
+    assert skip == [(0, [])]
+    import json
+
+    records = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl", encoding="utf-8")]
+    steps = [r for r in records if r.get("type") == "step"]
+    assert [r["skipped"] for r in steps] == [False, True, False, False]
+    assert all(math.isfinite(r["loss"]) for r in steps)

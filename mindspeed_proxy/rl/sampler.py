@@ -52,9 +52,10 @@ class SamplingParams:
     """Sampling settings (Megatron-LM inference names)."""
 
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 0.0  # nucleus sampling; 0 (Megatron-LM's "off") or 1 keep the whole distribution
     max_new_tokens: int = 7
     autocast_dtype: Optional[torch.dtype] = None  # e.g. bfloat16: the sampler in low precision (a fault)
+    top_k: int = -1  # the k most likely tokens only; <= 0 = off (Megatron-LM)
 
 
 def next_token_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -62,12 +63,16 @@ def next_token_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)
 
 
-def sample_from(logp: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Inverse-CDF sample of one token per row of `logp` [B, V] with `uniforms` [B] in [0, 1), top-p filtered."""
+def sample_from(logp: torch.Tensor, uniforms: torch.Tensor, top_p: float, top_k: int = -1) -> torch.Tensor:
+    """Inverse-CDF sample of one token per row of `logp` [B, V] with `uniforms` [B] in [0, 1), top-k or top-p
+    filtered (top_k > 0: the k most likely tokens; 0 < top_p < 1: the smallest prefix reaching top_p)."""
     probs = logp.double().exp()
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p  # the smallest prefix reaching top_p
+    if top_k > 0 or 0 < top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        if top_k > 0:
+            keep = torch.arange(sorted_p.shape[-1], device=probs.device) < top_k
+        else:
+            keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     cdf = probs.cumsum(dim=-1)
@@ -121,7 +126,7 @@ class Sampler:
                     if p.temperature == 0:
                         chosen = logp.argmax(dim=-1)
                     else:
-                        chosen = sample_from(logp, uniforms[:, i], p.top_p)
+                        chosen = sample_from(logp, uniforms[:, i], p.top_p, p.top_k)
                     chosen = torch.where(alive, chosen, torch.full_like(chosen, PAD_ID))
                     logprobs[:, i] = torch.where(alive, logp.gather(1, chosen.clamp_max(logp.shape[1] - 1)
                                                                     .unsqueeze(1)).squeeze(1), torch.zeros(()))

@@ -24,7 +24,7 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.tasks import sft_batch, step_prompts
     from mindspeed_proxy.rl.train import phase, setup
     from mindspeed_proxy.training import checkpointing as C
-    from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir
+    from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir, stop_nonfinite
 
     args, task, trainer, _ = setup(argv, prog, rl=False)
     rank0 = torch.distributed.get_rank() == 0
@@ -39,6 +39,9 @@ def main(argv=None, prog: str = PROG) -> int:
         step_time = time.perf_counter() - t0
         metrics.write({"type": "step", "iteration": it + 1, "loss": result["loss"], "grad_norm": result["grad_norm"],
                        "lr": result["lr"], "skipped": result["skipped"], "step_time_s": step_time})
+        if result["nonfinite"] and args.check_for_nan_in_loss_and_grad:
+            metrics.close()
+            stop_nonfinite(prog, it + 1, args)
         if rank0 and (it + 1) % args.log_interval == 0:
             print(f" iteration {it + 1:6d}/{args.train_iters} | sft loss {result['loss']:.4f} | "
                   f"grad norm {result['grad_norm'] or 0:.3f} | {step_time * 1000:.0f} ms", flush=True)

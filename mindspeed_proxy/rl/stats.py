@@ -68,7 +68,10 @@ def importance_sums(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def finalize_importance(sums: torch.Tensor) -> dict[str, float]:
-    """Mean and max weight and normalised ESS (Σw)² / (n·Σw²) in (0, 1] (all 0 when there is no token)."""
+    """Mean and max weight and normalised ESS (Σw)² / (n·Σw²) in (0, 1] (all 0 when there is no token).
+
+    The RL loop passes the weights the loss applies (after truncation and rejection), or the log-clamped
+    train/rollout ratio where no IS weight is applied."""
     w_sum, w_sq_sum, tokens, w_max = (float(v) for v in sums)
     if tokens <= 0:
         return {"ratio_mean": 0.0, "ratio_max": 0.0, "ess": 0.0}
@@ -77,6 +80,25 @@ def finalize_importance(sums: torch.Tensor) -> dict[str, float]:
         "ratio_max": w_max,
         "ess": w_sum * w_sum / (tokens * w_sq_sum) if w_sq_sum > 0 else 0.0,
     }
+
+
+@torch.no_grad()
+def rejection_sums(kept: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [rejected tokens, valid tokens, rejected sequences, sequences with a valid token] (SUM-reduced).
+
+    A token is rejected when it is valid in `mask` and not in `kept`; a sequence when it has valid tokens
+    and none is kept."""
+    valid, kept = mask.bool(), kept.bool() & mask.bool()
+    rows = valid.any(dim=1)
+    return torch.tensor([float((valid & ~kept).sum()), float(valid.sum()), float((rows & ~kept.any(dim=1)).sum()),
+                         float(rows.sum())], dtype=torch.float64)
+
+
+def finalize_rejection(sums: torch.Tensor) -> dict[str, float]:
+    """Fractions of the valid tokens and of the sequences that the rejection left out of the loss."""
+    tokens_out, tokens, rows_out, rows = (float(v) for v in sums)
+    return {"rejected_token_frac": tokens_out / tokens if tokens else 0.0,
+            "rejected_seq_frac": rows_out / rows if rows else 0.0}
 
 
 def _expert_sets(idx: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -101,6 +101,15 @@ def setup(argv, prog: str, rl: bool = True):
     return args, task, trainer, faults
 
 
+class NonFiniteStep(Exception):
+    """An optimizer step whose loss or gradient was not finite (it was not applied)."""
+
+    def __init__(self, step: int, opt_step: int):
+        super().__init__(f"RL step {step} (optimizer step {opt_step}): NaN or inf in the loss or the gradients; "
+                         "the step was not applied and the run stops (--no-check-for-nan-in-loss-and-grad skips "
+                         "and counts such steps)")
+
+
 def active(faults, name: str, step: int):
     """The fault `name` if it acts at `step`, else None."""
     return next((f for f in faults if f.name == name and f.active(step)), None)
@@ -127,6 +136,7 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     """One GRPO step (rollouts, passes, optimizer steps, reduced metrics); returns its metrics record."""
     from megatron.core import parallel_state as ps
 
+    from mindspeed_proxy.rl.correction import log_token_ratio, rollout_correction
     from mindspeed_proxy.rl.rollout import sample_step
     from mindspeed_proxy.rl.weights import snapshot, swapped
 
@@ -152,9 +162,11 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
             else None
         with swapped(engine.model, ref_weights):
             ref_logp, _, _ = engine.logprob_pass(batch.tokens, batch.prompt_length, routing=replayed)
-    row_kept = nonzero.repeat_interleave(cfg.group_size).float().unsqueeze(1)  # zero-std groups are skipped
+    loss_mask = batch.response_mask
+    if cfg.filter_groups_with_same_reward:  # else (Megatron-LM's default) their tokens stay, with advantage 0
+        loss_mask = loss_mask * nonzero.repeat_interleave(cfg.group_size).float().unsqueeze(1)
     train_batch = {"tokens": batch.tokens, "old_logp": old_logp, "ref_logp": ref_logp, "rollout_logp": batch.logprobs,
-                   "mask": batch.response_mask * row_kept, "advantages": advantages, "routing": replayed,
+                   "mask": loss_mask, "advantages": advantages, "routing": replayed,
                    "prompt_length": batch.prompt_length}
     rows_local = batch.tokens.shape[0]
     per_opt = args.global_batch_size // ps.get_data_parallel_world_size()
@@ -164,6 +176,8 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
             state["opt_step"] += 1
             with phase("train"):
                 results.append(engine.train_step(train_batch, torch.arange(start, start + per_opt), state["opt_step"]))
+            if results[-1]["nonfinite"] and args.check_for_nan_in_loss_and_grad:
+                raise NonFiniteStep(step, state["opt_step"])
     # ---- reductions: one SUM all-reduce of every sum, one MAX all-reduce
     mask = batch.response_mask
     routing_mask = batch.routing_mask().reshape(-1)
@@ -172,9 +186,13 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     consistency = S.routing_consistency_sums(flat_rollout, flat_used, routing_mask, num_experts=args.num_experts)
     load = _expert_load(flat_used, routing_mask, args.num_experts)
     mismatch = S.mismatch_sums(old_logp, batch.logprobs, mask)
-    importance = S.importance_sums(torch.exp(old_logp - batch.logprobs), mask)
+    weights, kept = rollout_correction(old_logp, batch.logprobs, loss_mask, cfg.correction)
+    if cfg.correction.is_level is None:  # no weight applied: the diagnostic is the train/rollout ratio itself
+        weights = torch.exp(log_token_ratio(old_logp, batch.logprobs, loss_mask.bool()))
+    importance = S.importance_sums(weights, kept)
+    rejection = S.rejection_sums(kept, loss_mask)
     entropy_sums = torch.stack([(entropy.double() * mask).sum(), (S.k3_kl(old_logp, ref_logp).double() * mask).sum()])
-    parts = [reward_sums, mismatch, importance[:S.IMPORTANCE_MAX_ENTRY], entropy_sums, consistency["exact"],
+    parts = [reward_sums, mismatch, importance[:S.IMPORTANCE_MAX_ENTRY], rejection, entropy_sums, consistency["exact"],
              consistency["jaccard"], consistency["any_mismatch"].view(1), consistency["tokens"].view(1), load.view(-1)]
     flat = torch.cat([p.double().view(-1) for p in parts])
     torch.distributed.all_reduce(flat, group=dp_group)
@@ -182,7 +200,7 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     peak = torch.cat([importance[S.IMPORTANCE_MAX_ENTRY:], abs_delta])
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=dp_group)
     sizes = [p.numel() for p in parts]
-    (reward_sums, mismatch, imp, ent, exact, jac, anym, toks, load) = torch.split(flat, sizes)
+    (reward_sums, mismatch, imp, rejection, ent, exact, jac, anym, toks, load) = torch.split(flat, sizes)
     load = load.view(-1, args.num_experts)
     state.setdefault("first_load", load.clone())
     state["usage"] = state["usage"] + load if "usage" in state else load.clone()
@@ -199,8 +217,9 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
         "zero_std_groups": int(r["groups"] - r["nonzero_groups"]), "response_length": r["length_sum"] / n_rows,
         "entropy": float(ent[0]) / n_tokens, "kl_ref": float(ent[1]) / n_tokens,
         **{k: last[k] for k in ("loss", "grad_norm", "lr", "skipped", "clip_frac_low", "clip_frac_high",
-                                "pi_over_pi_old", "tis_weight_mean", "icepop_kept_frac")},
+                                "clip_frac_dual", "pi_over_pi_old", "is_weight_mean", "loss_tokens")},
         **S.finalize_importance(torch.cat([imp, peak[:1]])), **S.finalize_mismatch(mismatch),
+        **S.finalize_rejection(rejection),
         "mismatch_abs_logp_max": float(peak[1]),
         "topk_match_mean": routing["topk_match_mean"], "jaccard_mean": routing["jaccard_mean"],
         "any_layer_mismatch": routing["any_layer_mismatch"], "topk_match": routing["topk_match"],
@@ -258,7 +277,7 @@ def main(argv=None, prog: str = PROG) -> int:
     rank0 = torch.distributed.get_rank() == 0
     engine = GRPOEngine(trainer, grpo_config(args))
     sampler = Sampler(engine.model, SamplingParams(args.rl_default_temperature, args.rl_default_top_p,
-                                                   args.rl_max_new_tokens))
+                                                   args.rl_max_new_tokens, top_k=args.rl_default_top_k))
     lag = next((f["steps"] for f in faults if f.name == "policy-lag"), 0)
     history = collections.deque(maxlen=lag + 1 if lag else 0)
     ref_weights = snapshot(engine.model)
@@ -268,7 +287,16 @@ def main(argv=None, prog: str = PROG) -> int:
     saver = C.saver(args.ckpt_format)
     evaluations = [_evaluate(args, task, sampler, metrics, 0)]
     for step in range(1, args.train_iters + 1):
-        record = rl_step(step, args, task, trainer, engine, sampler, faults, ref_weights, history, state)
+        try:
+            record = rl_step(step, args, task, trainer, engine, sampler, faults, ref_weights, history, state)
+        except NonFiniteStep as exc:
+            metrics.close()
+            if rank0:
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            if monitor is not None:
+                monitor.close()
+            finish_distributed(args)
+            raise SystemExit(1) from None
         record["faults"] = [f.name for f in faults if f.active(step)]
         metrics.write(record)
         if monitor is not None:

@@ -1,43 +1,51 @@
 """The GRPO update on a megatron-core policy: logprob passes, the clipped-ratio loss through Megatron's schedule.
 
-One RL step's rollouts are this rank's rows of the global batch. The loss is the token mean over every
-valid response token of the optimizer step's global batch: each micro-batch contributes
-Σ(loss·mask) / N_global · DP · num_microbatches, which Megatron's schedule (÷ num_microbatches) and
-DDP (mean over data-parallel ranks) turn into Σ_all / N_global, whatever the layout.
+One RL step's rollouts are this rank's rows of the global batch. The objective is Σ c·ℓ over the kept
+tokens of the optimizer step's global batch (`aggregation.py`: c from global counts, one all-reduce):
+each micro-batch contributes its Σ c·ℓ · DP · num_microbatches, which Megatron's schedule
+(÷ num_microbatches) and DDP (mean over data-parallel ranks) turn into Σ_all c·ℓ, whatever the layout.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
 import torch
 
-from mindspeed_proxy.rl import replay
+from mindspeed_proxy.rl import aggregation, replay
+from mindspeed_proxy.rl.correction import Correction, rollout_correction
 from mindspeed_proxy.rl.losses import grpo_token_loss
 from mindspeed_proxy.rl.sampler import model_logits, next_token_logprobs
+from mindspeed_proxy.training.engine import split_microbatches
 
-STAT_KEYS = ("loss_sum", "tokens", "clip_low", "clip_high", "kl_sum", "entropy_sum", "ratio_sum", "tis_sum",
-             "icepop_kept")
+STAT_KEYS = ("objective", "tokens", "clip_low", "clip_high", "clip_dual", "kl_sum", "entropy_sum", "ratio_sum",
+             "is_sum", "valid")
 
 
 @dataclass
 class GRPOConfig:
-    """GRPO settings (Megatron-LM train_rl.py names where they exist)."""
+    """GRPO settings; fields named after a Megatron-LM train_rl.py flag take its default and meaning."""
 
-    group_size: int = 8  # --grpo-group-size
-    prompts_per_step: int = 8  # --grpo-prompts-per-step
-    iterations: int = 1  # --grpo-iterations: passes over one step's rollouts
-    clamp_eps_lower: float = 0.2  # --grpo-clamp-eps-lower
-    clamp_eps_upper: float = 0.2  # --grpo-clamp-eps-upper
-    kl_beta: float = 0.0  # --grpo-kl-beta
+    group_size: int = 2  # --grpo-group-size
+    prompts_per_step: int = 32  # --grpo-prompts-per-step
+    iterations: int = 2  # --grpo-iterations: passes over one step's rollouts
+    clamp_eps_lower: float = 0.01  # --grpo-clamp-eps-lower
+    clamp_eps_upper: float = 0.01  # --grpo-clamp-eps-upper
+    kl_beta: float = 0.001  # --grpo-kl-beta
     entropy_weight: float = 0.0  # --grpo-entropy-term-weight
-    tis_truncation: Optional[float] = None  # --rl-importance-sampling-truncation-coef (token TIS when set)
-    icepop: Optional[tuple[float, float]] = None  # --rl-icepop-low/high
+    filter_groups_with_same_reward: bool = False  # --grpo-filter-groups-with-same-reward
+    kl_estimator: str = "k3"  # --grpo-kl-estimator
+    aggregation: str = "token-mean"  # --rl-loss-aggregation
+    dual_clip: Optional[float] = None  # --rl-dual-clip
+    correction: Correction = field(default_factory=Correction)  # IS / rejection / IcePop flags
     ratio_type: str = "token"  # --rl-ratio-type sequence: GSPO
     routing_replay: str = "off"  # --rl-routing-replay off|r2|r3
     temperature: float = 1.0  # --rl-default-temperature
+
+    def __post_init__(self):
+        aggregation.check(self.aggregation, self.ratio_type)
 
 
 def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_length: int,
@@ -95,37 +103,45 @@ class GRPOEngine:
             self.model.train(was_training)
         return torch.cat(out), (torch.cat(used, dim=2) if record else None), torch.cat(entropies)
 
+    def loss_tokens(self, batch: dict, rows) -> torch.Tensor:
+        """[b, T] bool: the tokens of `rows` that enter the loss (response mask after rejection)."""
+        old = batch["old_logp"][rows]
+        rollout = batch["rollout_logp"][rows] if self.cfg.correction.active else None
+        return rollout_correction(old, rollout, batch["mask"][rows], self.cfg.correction)[1]
+
     def train_step(self, batch: dict, rows: torch.Tensor, iteration: int) -> dict:
         """One optimizer step on `rows` of `batch` (this rank's rows of the optimizer step's global batch)."""
         from megatron.core import parallel_state as ps
 
         mbs = self.trainer.cfg.micro_batch_size
-        tokens_local = batch["mask"][rows].sum()
-        tokens_global = tokens_local.clone().double()
-        torch.distributed.all_reduce(tokens_global, group=ps.get_data_parallel_group())
-        num_mb = max(len(rows) // mbs, 1)
-        scale = ps.get_data_parallel_world_size() * num_mb / max(float(tokens_global), 1.0)
+        num_mb = split_microbatches(len(rows), mbs)
+        counts = aggregation.local_counts(self.loss_tokens(batch, rows))
+        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+        # Megatron's schedule averages over micro-batches and DDP over data-parallel ranks: undo both, so the
+        # step's gradient is that of Σ c·ℓ over the global batch.
+        scale = ps.get_data_parallel_world_size() * num_mb
         microbatches = []
         for start in range(0, len(rows), mbs):
             idx = rows[start:start + mbs]
             mb = {k: batch[k][idx] for k in ("tokens", "old_logp", "ref_logp", "rollout_logp", "mask", "advantages")}
             mb["routing"] = None if batch["routing"] is None else batch["routing"][:, :, idx]
-            mb["prompt_length"], mb["scale"] = batch["prompt_length"], scale
+            mb["prompt_length"], mb["scale"], mb["counts"] = batch["prompt_length"], scale, counts
             microbatches.append(mb)
         ctx = replay.replaying() if batch["routing"] is not None else contextlib.nullcontext()
         with ctx:
             result = self.trainer.train_step(microbatches, iteration, forward_step_func=self._forward_step,
-                                             loss_key="loss_sum")
+                                             loss_key="objective")
         sums = torch.stack([r["stats"] for r in result["reports"]]).sum(dim=0) if result["reports"] else \
             torch.zeros(len(STAT_KEYS), dtype=torch.float64)
         torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group())
         stats = dict(zip(STAT_KEYS, sums.tolist()))
         n = max(stats["tokens"], 1.0)
-        return {"loss": stats["loss_sum"] / n, "grad_norm": result["grad_norm"], "lr": result["lr"],
-                "skipped": result["skipped"], "entropy": stats["entropy_sum"] / n, "kl_ref": stats["kl_sum"] / n,
+        return {"loss": stats["objective"], "grad_norm": result["grad_norm"], "lr": result["lr"],
+                "skipped": result["skipped"], "nonfinite": result.get("nonfinite", False),
+                "entropy": stats["entropy_sum"] / n, "kl_ref": stats["kl_sum"] / n,
                 "clip_frac_low": stats["clip_low"] / n, "clip_frac_high": stats["clip_high"] / n,
-                "pi_over_pi_old": stats["ratio_sum"] / n, "tis_weight_mean": stats["tis_sum"] / n,
-                "icepop_kept_frac": stats["icepop_kept"] / n}
+                "clip_frac_dual": stats["clip_dual"] / n, "pi_over_pi_old": stats["ratio_sum"] / n,
+                "is_weight_mean": stats["is_sum"] / n, "loss_tokens": int(stats["tokens"])}
 
     def _forward_step(self, data_iterator, model):
         mb = next(data_iterator)
@@ -142,13 +158,17 @@ class GRPOEngine:
         token_loss, diag = grpo_token_loss(
             logp, mb["old_logp"], mb["ref_logp"], mb["advantages"], mb["mask"],
             clamp_eps_lower=cfg.clamp_eps_lower, clamp_eps_upper=cfg.clamp_eps_upper, kl_beta=cfg.kl_beta,
-            entropy=entropy, entropy_weight=cfg.entropy_weight, rollout_logp=mb["rollout_logp"],
-            tis_truncation=cfg.tis_truncation, icepop=cfg.icepop, ratio_type=cfg.ratio_type)
-        mask = mb["mask"]
-        loss_sum = token_loss.sum()
+            kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_weight=cfg.entropy_weight,
+            rollout_logp=mb["rollout_logp"], correction=cfg.correction, ratio_type=cfg.ratio_type,
+            dual_clip=cfg.dual_clip)
+        kept = diag["kept"]
+        coef = aggregation.coefficients(kept, cfg.aggregation, mb["counts"], mb["mask"].shape[1])
+        objective = (token_loss * coef.to(token_loss.dtype)).sum()
+        k = kept.to(torch.float64)
         with torch.no_grad():
             stats = torch.stack([
-                loss_sum.detach(), mask.sum(), diag["clipped_low"].sum(), diag["clipped_high"].sum(),
-                (diag["kl"] * mask).sum(), (entropy.detach() * mask).sum(), (diag["ratio"] * mask).sum(),
-                (diag["is_weight"] * mask).sum(), (diag["icepop_kept"] & mask.bool()).sum()]).double()
-        return loss_sum * mb["scale"], {"loss_sum": stats[0], "stats": stats}
+                objective.detach().double(), k.sum(), diag["clipped_low"].sum().double(),
+                diag["clipped_high"].sum().double(), diag["clipped_dual"].sum().double(), (diag["kl"] * k).sum(),
+                (entropy.detach().double() * k).sum(), (diag["ratio"].double() * k).sum(),
+                (diag["is_weight"].double() * k).sum(), mb["mask"].bool().sum().double()])
+        return objective * mb["scale"], {"objective": stats[0], "stats": stats}

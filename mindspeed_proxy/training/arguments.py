@@ -68,6 +68,9 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="a step whose loss or gradient is NaN/inf is never applied; by default (Megatron-LM's "
+                        "check) the run stops naming it, with this flag the step is skipped and counted")
     g = p.add_argument_group("data, checkpoints and logging")
     g.add_argument("--data-path", default=None, help="Megatron indexed dataset prefix (PREFIX.bin/.idx); "
                    "default: the embedded Python-stdlib corpus")
@@ -87,6 +90,16 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     from mindspeed_proxy.monitor.arguments import add_monitor_arguments
 
     return add_monitor_arguments(p)
+
+
+def check_finite(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a NaN or inf value of any float flag (raises ArgumentError naming the flag)."""
+    import math
+
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.type is float and isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentError(f"{action.option_strings[0]} {value}: not a finite number")
 
 
 def validate_static(args: argparse.Namespace) -> None:

@@ -42,6 +42,14 @@ def data_parallel_size() -> int:
     return ps.get_data_parallel_world_size()
 
 
+def split_microbatches(rows: int, micro_batch_size: int) -> int:
+    """Micro-batches of `rows` rows of one data-parallel rank; raises unless `micro_batch_size` divides `rows`."""
+    if rows < 1 or micro_batch_size < 1 or rows % micro_batch_size:
+        raise ValueError(f"{rows} rows per data-parallel rank are not a multiple of --micro-batch-size "
+                         f"{micro_batch_size}")
+    return rows // micro_batch_size
+
+
 def num_microbatches(cfg: TrainConfig) -> int:
     """Micro-batches per step on each DP rank; raises if the global batch does not split evenly."""
     dp = data_parallel_size()
@@ -50,7 +58,7 @@ def num_microbatches(cfg: TrainConfig) -> int:
             f"--global-batch-size {cfg.global_batch_size} is not divisible by --micro-batch-size "
             f"{cfg.micro_batch_size} x data-parallel size {dp}"
         )
-    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    return split_microbatches(cfg.global_batch_size // dp, cfg.micro_batch_size)
 
 
 def microbatch_sample_ids(cfg: TrainConfig, iteration: int) -> list[list[int]]:
@@ -206,7 +214,17 @@ class Trainer:
             micro_batch_size=self.cfg.micro_batch_size,
             forward_only=False,
         )
-        ok, grad_norm, _ = self.optimizer.step()
+        nonfinite = self._nonfinite(losses, loss_key)
+        if nonfinite:  # never applied: the weights, the optimizer state and the LR schedule stay as they were
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            ok, grad_norm = False, float("nan")
+            count = getattr(self.optimizer, "count_skipped_step", None)  # the step counter of patched runs
+            if count is not None:
+                count()
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
@@ -218,4 +236,19 @@ class Trainer:
         torch.distributed.broadcast(loss, src=ps.get_pipeline_model_parallel_last_rank(),
                                     group=ps.get_pipeline_model_parallel_group())
         return {"loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": lr, "skipped": not ok, "reports": losses}
+                "lr": lr, "skipped": not ok, "nonfinite": nonfinite, "reports": losses}
+
+    def _nonfinite(self, reports: list, loss_key: str) -> bool:
+        """True on every rank when any rank's loss or (without fp16 loss scaling) gradient is NaN or inf.
+
+        Megatron-LM checks both by default (`--check-for-nan-in-loss-and-grad`). Under fp16 loss scaling an
+        inf gradient is an overflow that the optimizer's grad scaler skips and answers by lowering the scale,
+        so only the loss is checked there."""
+        bad = any(not torch.isfinite(torch.as_tensor(r[loss_key])).all() for r in reports)
+        if not self.model_cfg.fp16:
+            for chunk in self.model:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+        flag = torch.tensor([float(bad)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())

@@ -119,16 +119,28 @@ def _format_step(iteration: int, total: int, consumed: int, ms: float, result: d
             f"number of skipped iterations: {skipped:3d} |")
 
 
+def stop_nonfinite(prog: str, step: int, args) -> None:
+    """Stop the run with one line naming the step whose loss or gradient was not finite (exit code 1)."""
+    if torch.distributed.get_rank() == 0:
+        print(f"{prog}: error: iteration {step}: NaN or inf in the loss or the gradients; the step was not applied "
+              "and the run stops (--no-check-for-nan-in-loss-and-grad skips and counts such steps)",
+              file=sys.stderr, flush=True)
+    finish_distributed(args)
+    raise SystemExit(1)
+
+
 def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     """Run the trainer with Megatron-LM style `argv`; returns 0, exits 2 on bad input before writing."""
     # megatron-core announces each missing optional kernel package at import; on CPU that is expected
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-    args = A.build_parser(prog).parse_args(argv)
+    parser = A.build_parser(prog)
+    args = parser.parse_args(argv)
     from mindspeed_proxy import data
     from mindspeed_proxy.training import checkpointing as C
     from mindspeed_proxy.training.engine import Trainer, microbatch_sample_ids
 
     try:
+        A.check_finite(parser, args)
         A.validate_static(args)
         if args.data_path:
             data.validate_data_prefix(args.data_path)
@@ -197,6 +209,9 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
                        "grad_norm": result["grad_norm"], "lr": result["lr"],
                        "tokens_per_s": tokens / seconds, "step_time_s": seconds,
                        "skipped": result["skipped"]})
+        if result["nonfinite"] and args.check_for_nan_in_loss_and_grad:
+            metrics.close()
+            stop_nonfinite(prog, step, args)
         if step % args.log_interval == 0:
             _print_rank0(_format_step(step, args.train_iters, step * args.global_batch_size,
                                       seconds * 1000, result, args.global_batch_size, skipped))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from mindspeed_proxy.rl.correction import Correction
 from mindspeed_proxy.rl.losses import (
     group_advantages,
     grpo_token_loss,
@@ -176,7 +177,8 @@ def reference_grpo(logp, old, ref, adv, mask, eps_low, eps_high, kl_beta=0.0, en
     flags = {k: np.zeros((batch, length), dtype=bool) for k in ("clipped_low", "clipped_high", "icepop_kept")}
     for b in range(batch):
         tokens = [t for t in range(length) if mask[b, t]]
-        seq_ratio = math.exp(sum(logp[b, t] - old[b, t] for t in tokens) / len(tokens)) if tokens else 1.0
+        in_band = [t for t in tokens if icepop is None or icepop[0] <= math.exp(old[b, t] - rollout[b, t]) <= icepop[1]]
+        seq_ratio = math.exp(sum(logp[b, t] - old[b, t] for t in in_band) / len(in_band)) if in_band else 1.0
         a = float(adv[b])
         for t in tokens:
             r = seq_ratio if ratio_type == "sequence" else math.exp(logp[b, t] - old[b, t])
@@ -195,6 +197,16 @@ def reference_grpo(logp, old, ref, adv, mask, eps_low, eps_high, kl_beta=0.0, en
             loss[b, t], grad[b, t] = (value, d_value) if keep else (0.0, 0.0)
             flags["clipped_high"][b, t], flags["clipped_low"][b, t], flags["icepop_kept"][b, t] = high, low, keep
     return loss, grad, flags
+
+
+def as_correction(kwargs):
+    """The former tis_truncation / icepop (mask) arguments as a Correction."""
+    kwargs = dict(kwargs)
+    truncation, band = kwargs.pop("tis_truncation", None), kwargs.pop("icepop", None)
+    kwargs["correction"] = Correction(is_level="token" if truncation else None, truncation=truncation,
+                                      rejection="token" if band else None, low=band and band[0],
+                                      high=band and band[1])
+    return kwargs
 
 
 def find_exact_offset(logp, old, pos, candidates):
@@ -256,15 +268,16 @@ def test_grpo_token_loss_matches_reference(config):
 
     lp = t64(logp).requires_grad_(True)
     loss, stats = grpo_token_loss(lp, t64(old), t64(ref), t64(adv), torch.tensor(mask), entropy=t64(entropy),
-                                  rollout_logp=t64(rollout) if use_rollout else None, **kwargs)
+                                  rollout_logp=t64(rollout) if use_rollout else None, **as_correction(kwargs))
     assert_close(loss.detach(), expected)
     assert (loss.detach()[~torch.tensor(mask)] == 0).all()
     cotangent = rng.normal(size=logp.shape)
     (grad,) = torch.autograd.grad((loss * t64(cotangent)).sum(), lp)
     assert_close(grad, expected_grad * cotangent)
 
-    for key in ("clipped_low", "clipped_high", "icepop_kept"):
-        assert stats[key].dtype == torch.bool and stats[key].tolist() == flags[key].tolist(), key
+    for key, ours in (("clipped_low", "clipped_low"), ("clipped_high", "clipped_high"), ("icepop_kept", "kept")):
+        expected_flags = flags[key] & flags["icepop_kept"]
+        assert stats[ours].dtype == torch.bool and stats[ours].tolist() == expected_flags.tolist(), key
     # Every clip case is exercised: both sides, both signs of the advantage.
     ratio = stats["ratio"].numpy()
     a = np.repeat(adv[:, None], logp.shape[1], axis=1)
@@ -283,11 +296,12 @@ def test_grpo_token_loss_matches_reference(config):
     valid = mask.astype(bool)
     assert_close(stats["ratio"][torch.tensor(valid)], np.exp(logp - old)[valid] if ratio_type == "token"
                  else ratio[valid])
+    kept = flags["icepop_kept"]
     expected_kl = np.where(valid, np.exp(ref - logp) - (ref - logp) - 1.0, 0.0)
-    assert_close(stats["kl"][torch.tensor(valid)], expected_kl[valid])
+    assert_close(stats["kl"][torch.tensor(kept)], expected_kl[kept])
     w = np.minimum(np.exp(old - rollout), kwargs["tis_truncation"]) if use_rollout and kwargs["tis_truncation"] \
         else np.ones_like(old)
-    assert_close(stats["is_weight"][torch.tensor(valid)], w[valid])
+    assert_close(stats["is_weight"][torch.tensor(kept)], w[kept])
     assert all(not v.requires_grad for v in stats.values())
 
 
@@ -299,6 +313,7 @@ def test_grpo_gradient_matches_finite_differences(ratio_type):
                   entropy_weight=0.01, ratio_type=ratio_type)
     if ratio_type == "token":
         kwargs.update(rollout_logp=t64(rollout), tis_truncation=1.4, icepop=(0.5, 2.0))
+    kwargs = as_correction(kwargs)
 
     def sequence_mean_loss(lp):
         # GSPO's token form gives the true gradient of the sequence-mean objective (when the per-token
@@ -315,8 +330,9 @@ def test_grpo_sign_and_errors():
                          clamp_eps_upper=0.2)[0]
     assert (up < 0).all()  # raising the likelihood of a positive-advantage token lowers the loss
     common = dict(clamp_eps_lower=0.2, clamp_eps_upper=0.2)
-    for bad in (dict(ratio_type="seq"), dict(icepop=(0.5, 2.0)), dict(clamp_eps_lower=-0.1, clamp_eps_upper=0.2),
-                dict(kl_beta=0.1, ref=None), dict(entropy_weight=0.1)):
+    for bad in (dict(ratio_type="seq"), dict(correction=Correction(rejection="token", low=0.5, high=2.0)),
+                dict(clamp_eps_lower=-0.1, clamp_eps_upper=0.2), dict(clamp_eps_lower=math.nan, clamp_eps_upper=0.2),
+                dict(kl_beta=0.1, ref=None), dict(entropy_weight=0.1), dict(dual_clip=1.0)):
         bad = {**common, **bad}
         ref = bad.pop("ref", logp)
         with pytest.raises(ValueError):

@@ -5,7 +5,10 @@ repeats the equivalence configuration; the tests read their metrics.jsonl / moni
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +22,9 @@ NOISE_START = 8
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--rl-partial-credit", "0.5", "--seed", "7"]
 BASE = MODEL + ["--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "8",
-                "--rl-eval-prompts", "0", "--lr", "1e-3", "--min-lr", "1e-3"]
+                "--rl-eval-prompts", "0", "--lr", "1e-3", "--min-lr", "1e-3", "--grpo-iterations", "1",
+                "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2", "--grpo-kl-beta", "0",
+                "--grpo-filter-groups-with-same-reward"]
 SFT = MODEL + ["--train-iters", "250", "--global-batch-size", "32", "--log-interval", "1000"]
 NOISE = f"rollout-router-noise:start={NOISE_START},std=0.5"
 CONFIGS = {
@@ -33,10 +38,16 @@ CONFIGS = {
                "--rl-routing-replay", "r2"],
     "lowp": ["--train-iters", "3", "--inject-fault", "sampler-lowp:start=2,format=bf16"],
     "lag": ["--train-iters", "3", "--inject-fault", "policy-lag:start=2,steps=1"],
+    # a NaN gradient at step 2: skipped and counted, or (the default check) the run stops naming the step
+    "nan_skip": ["--train-iters", "3", "--inject-fault", "grad-overflow:start=2,param=router,value=nan",
+                 "--no-check-for-nan-in-loss-and-grad"],
+    "nan_stop": ["--train-iters", "3", "--inject-fault", "grad-overflow:start=2,param=router,value=nan"],
 }
 
 
 def _run_configs(root: str, names: list[str], ep: int) -> None:
+    import torch
+
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl import sft
     from mindspeed_proxy.rl.train import main
@@ -51,8 +62,18 @@ def _run_configs(root: str, names: list[str], ep: int) -> None:
             CONFIGS[name] else []
         if name == "layout":
             extra += ["--rl-save-expert-usage", os.path.join(log, "usage.json")]
-        main(BASE + CONFIGS[name] + ["--expert-model-parallel-size", str(ep), "--log-dir", log, "--load", ckpt]
-             + extra)
+        argv = BASE + CONFIGS[name] + ["--expert-model-parallel-size", str(ep), "--log-dir", log, "--load", ckpt] + extra
+        if name != "nan_stop":
+            main(argv)
+            continue
+        err, code = io.StringIO(), None
+        with contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        with open(os.path.join(log, f"stop{torch.distributed.get_rank()}.json"), "w", encoding="utf-8") as fh:
+            json.dump({"code": code, "stderr": err.getvalue()}, fh)
     RUNTIME.reset()
 
 
@@ -138,6 +159,7 @@ def test_expert_usage_file_is_layout_independent_and_counts_every_routed_token(r
     (["--grpo-prompts-per-step", "3"], "not divisible by the data-parallel size 2"),
     (["--rl-task", "sudoku"], "--rl-task 'sudoku': unknown task"),
     (["--tensor-model-parallel-size", "2"], "TP=1"),
+    (["--grpo-kl-beta", "nan"], "--grpo-kl-beta nan: not a finite number"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     log = tmp_path / "logs"
@@ -149,6 +171,78 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flags, message):
     assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: ") and message in lines[0], \
         proc.stderr
     assert not log.exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_non_finite_step_is_skipped_and_counted_or_stops_the_run(runs):
+    steps = _records(os.path.join(runs, "nan_skip_ep2", "metrics.jsonl"))
+    assert [r["skipped_steps"] for r in steps] == [0, 1, 0]
+    assert all(math.isfinite(r["entropy"]) and math.isfinite(r["loss"]) for r in steps)
+    assert math.isfinite(steps[2]["grad_norm"])
+    stopped = _records(os.path.join(runs, "nan_stop_ep2", "metrics.jsonl"))
+    assert [r["iteration"] for r in stopped] == [1]
+    for rank in (0, 1):
+        with open(os.path.join(runs, "nan_stop_ep2", f"stop{rank}.json"), encoding="utf-8") as fh:
+            stop = json.load(fh)
+        assert stop["code"] == 1
+        lines = [line for line in stop["stderr"].splitlines() if "error" in line]  # (warnings aside)
+        if rank == 0:
+            assert len(lines) == 1 and lines[0].startswith("mindspeed_proxy.rl.train: error: RL step 2 (optimizer "
+                                                           "step 2): NaN or inf"), lines
+        else:
+            assert not lines
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "inf"], "--lr inf: not a finite number"),
+    (["--grpo-clamp-eps-lower", "-1"], "--grpo-clamp-eps-lower -1.0: must be >= 0"),
+    (["--grpo-clamp-eps-lower", "1"], "must be < 1"),
+    (["--rl-icepop-low", "2", "--rl-icepop-high", "0.5"], "need 0 <= low <= high"),
+    (["--rl-icepop-low", "0.5"], "go together"),
+    (["--rl-ratio-type", "sequence", "--rl-loss-aggregation", "token-mean"], "GSPO"),
+    (["--rl-importance-sampling-truncation-coef", "2"], "add --rl-inference-logprobs-is-correction"),
+    (["--rl-importance-sampling-truncation-coef", "0", "--rl-inference-logprobs-is-correction"], "must be > 0"),
+    (["--rl-dual-clip", "0.5"], "--rl-dual-clip 0.5: must be > 1"),
+    (["--rl-default-top-p", "0.9", "--rl-default-top-k", "5"], "exclude each other"),
+    (["--rl-default-top-p", "1.5"], "must be in [0, 1]"),
+    (["--grpo-iterations", "0"], "--grpo-iterations 0: must be >= 1"),
+    (["--grpo-group-size", "3", "--grpo-prompts-per-step", "4", "--global-batch-size", "8"], "does not divide"),
+    (["--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "3"], "--micro-batch-size 3"),
+])
+def test_bad_values_are_refused_at_parse_time(flags, message):
+    from mindspeed_proxy.rl.arguments import ArgumentError, parse
+
+    with pytest.raises(ArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse(flags, "mindspeed_proxy.rl.train")
+
+
+def test_megatron_lm_defaults():
+    from mindspeed_proxy.rl.arguments import grpo_config, parse
+
+    args = parse([], "mindspeed_proxy.rl.train")
+    cfg = grpo_config(args)
+    assert (cfg.group_size, cfg.prompts_per_step, cfg.iterations) == (2, 32, 2)
+    assert (cfg.clamp_eps_lower, cfg.clamp_eps_upper, cfg.kl_beta, cfg.entropy_weight) == (0.01, 0.01, 0.001, 0.0)
+    assert not cfg.filter_groups_with_same_reward and not cfg.correction.active
+    assert (args.rl_default_temperature, args.rl_default_top_p, args.rl_default_top_k) == (1.0, 0.0, -1)
+    assert args.check_for_nan_in_loss_and_grad and cfg.aggregation == "token-mean"
+    assert grpo_config(parse(["--rl-ratio-type", "sequence"], "x")).aggregation == "seq-mean-token-mean"
+
+
+def test_a_megatron_lm_grpo_flag_set_means_the_same_or_is_refused(capsys):
+    """The GRPO flags of Megatron-LM core_v0.16.1's examples/rl/model_configs/qwen3_30b_a3b_moe.sh (defaults)."""
+    from mindspeed_proxy.rl.arguments import grpo_config, parse
+
+    flags = ["--grpo-group-size", "16", "--grpo-prompts-per-step", "64", "--grpo-iterations", "1",
+             "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2", "--grpo-kl-beta", "0.0",
+             "--global-batch-size", "256", "--micro-batch-size", "1"]
+    args = parse(flags, "mindspeed_proxy.rl.train")
+    cfg = grpo_config(args)
+    assert (cfg.group_size, cfg.prompts_per_step, cfg.iterations) == (16, 64, 1)
+    assert (cfg.clamp_eps_lower, cfg.clamp_eps_upper, cfg.kl_beta) == (0.2, 0.2, 0.0)
+    assert (args.global_batch_size, args.micro_batch_size) == (256, 1)
+    with pytest.raises(SystemExit) as exc:  # its environment config: Megatron-LM's agent stack, not ours
+        parse(flags + ["--langrl-env-config", "env.yaml"], "mindspeed_proxy.rl.train")
+    assert exc.value.code == 2 and "unrecognized arguments: --langrl-env-config" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["lowp", "lag"])
