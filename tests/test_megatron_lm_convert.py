@@ -43,9 +43,17 @@ CASES = {
         "--moe-grouped-gemm", "--bf16", "--moe-shared-expert-intermediate-size", "64",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-load-balancing-type", "none"]),
+    # torch_dist, TP=2 (sequence parallel, as Megatron-LM requires with MoE) x EP=2 on 4 ranks; the proxy keeps TP=2
+    "dist_tp2": dict(fmt="torch_dist", world=4, flags=[
+        "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 LAYOUT = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
           "--num-experts", "--ckpt-format", "--load")
+
+
+def _layout(case: str, flag: str) -> int:
+    flags = CASES[case]["flags"]
+    return int(flags[flags.index(flag) + 1]) if flag in flags else 1
 
 
 def model_flags(case: str) -> list:
@@ -114,12 +122,12 @@ def test_proxy_loads_back_with_printed_flags(mlm, env, sources, case, features):
     flags, world, stdout = convert(env, cwd, src, out, 1, 4, *extra)
     for flag in LAYOUT:
         assert flag in flags, (flag, flags)
-    pp = CASES[case]["flags"][CASES[case]["flags"].index("--pipeline-model-parallel-size") + 1] \
-        if "--pipeline-model-parallel-size" in CASES[case]["flags"] else "1"
-    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == pp
+    tp, pp = _layout(case, "--tensor-model-parallel-size"), _layout(case, "--pipeline-model-parallel-size")
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == str(tp)
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == str(pp)
     assert flags[flags.index("--num-experts") + 1] == "4"
     assert ("--dist-ckpt-strictness" in flags) is (CASES[case]["fmt"] == "torch_dist")
-    assert world == int(pp)  # TP=1 x PP x EP=1
+    assert world == tp * pp  # TP x PP x EP=1
     manifest = json.loads((out / "proxy_manifest.json").read_text())
     assert all(len(layer["kept_global_ids_in_new_order"]) == 4 for layer in manifest["layers"])
     res = pretrain(mlm, env, cwd, world, model_flags(case) + ["--train-iters", "2"] + flags)
