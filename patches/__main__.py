@@ -3,9 +3,8 @@ import argparse
 import sys
 
 from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches
-from packaging.specifiers import SpecifierSet
-
-from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, applies, megatron_core_version, resolve, table
+from mindspeed_proxy.patches.registry import (MEGATRON_CORE_SUPPORTED, applies, megatron_core_version, resolve, table,
+                                              within)
 
 
 def main(argv=None) -> int:
@@ -20,7 +19,7 @@ def main(argv=None) -> int:
     monitor_patches.register_all()
     fault_patches.register_all()
     version = megatron_core_version()
-    supported = version is not None and version in SpecifierSet(MEGATRON_CORE_SUPPORTED)
+    supported = version is not None and within(version, MEGATRON_CORE_SUPPORTED)
     print(f"megatron-core {version} ({'supported' if supported else 'not supported'}: "
           f"mindspeed-proxy supports {MEGATRON_CORE_SUPPORTED})")
     print(f"{'feature':<18} {'target':<62} {'versions':<22} {'status'}")

@@ -24,6 +24,8 @@ MEGATRON_CORE_SUPPORTED = ">=0.12.0,<0.20"
 # The lines where a target exists only on one side of a move (rows name the one that fits).
 BEFORE_0_17 = ">=0.12.0,<0.17"
 BEFORE_0_18 = ">=0.12.0,<0.18"
+# Python each megatron-core line declares (pyproject `requires-python`); a checkout on PYTHONPATH bypasses pip's check.
+PYTHON_REQUIRED = {">=0.17": ">=3.12", "<0.17": ">=3.10"}
 
 
 @dataclass(frozen=True)
@@ -119,16 +121,26 @@ def megatron_core_version() -> Version | None:
     return None if path is None else _version_from(_literal_fields(path))
 
 
+def within(version: Version, specifiers: str) -> bool:
+    """Whether `version` (pre-releases included: a checkout of a release branch) satisfies `specifiers`."""
+    return SpecifierSet(specifiers).contains(version, prereleases=True)
+
+
 def check_supported(mcore: Version | None = None) -> Version:
-    """Return the imported megatron-core version; raise UnsupportedVersionError (one line) if outside the range."""
+    """Return the imported megatron-core version; raise UnsupportedVersionError (one line) if outside the range
+    or if this Python is older than that megatron-core line needs."""
     mcore = mcore if mcore is not None else megatron_core_version()
-    if mcore is not None and mcore in SpecifierSet(MEGATRON_CORE_SUPPORTED):
-        return mcore
     path = _package_info_path()
     where = f" (megatron.core from {os.path.dirname(path)})" if path else ""
     found = "no importable megatron.core" if mcore is None and not path else f"megatron-core {mcore}{where}"
-    raise UnsupportedVersionError(
-        f"mindspeed-proxy: {found} is not supported; supported: megatron-core {MEGATRON_CORE_SUPPORTED}")
+    if mcore is None or not within(mcore, MEGATRON_CORE_SUPPORTED):
+        raise UnsupportedVersionError(
+            f"mindspeed-proxy: {found} is not supported; supported: megatron-core {MEGATRON_CORE_SUPPORTED}")
+    python = Version(".".join(map(str, sys.version_info[:3])))
+    needed = next(need for line, need in PYTHON_REQUIRED.items() if within(mcore, line))
+    if not within(python, needed):
+        raise UnsupportedVersionError(f"mindspeed-proxy: {found} needs Python {needed}, this is Python {python}")
+    return mcore
 
 
 def applies(patch: Patch, mcore: Version | None = None) -> bool:
@@ -136,7 +148,7 @@ def applies(patch: Patch, mcore: Version | None = None) -> bool:
     if not patch.versions:
         return True
     mcore = mcore if mcore is not None else megatron_core_version()
-    return mcore is not None and mcore in SpecifierSet(patch.versions)
+    return mcore is not None and within(mcore, patch.versions)
 
 
 def resolve(target: str) -> tuple[Any, str, Any]:

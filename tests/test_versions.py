@@ -56,6 +56,19 @@ def test_launcher_refuses_an_unsupported_core_in_one_line(tmp_path):
     assert str(tmp_path / "mlm" / "megatron" / "core") in lines[0]
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the refusal is for Pythons older than 0.17+ needs")
+def test_launcher_refuses_a_newer_core_on_an_older_python(tmp_path):
+    """A core_v0.19 checkout over a Python 3.11 venv: one line naming the core, the Python it needs and this one."""
+    fake_core(tmp_path / "mlm", 0, 19, 1, vcs_suffix=True)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    proc = run_python(["-m", "mindspeed_proxy.run", str(script)], tmp_path / "mlm", tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert "megatron-core 0.19.1" in lines[0] and f"needs Python >=3.12, this is Python {python}" in lines[0]
+
+
 def test_an_imported_package_info_module_wins(monkeypatch):
     """Once megatron.core is imported, its package_info module is what counts."""
     fake = types.ModuleType("megatron.core.package_info")
