@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 from typing import Any
 
@@ -40,3 +41,15 @@ def safe_torch_load(path: str, map_location: str = "cpu", mmap: bool = False) ->
     except Exception as exc:  # truncated zip, unknown global, bad magic: one clear line
         raise ValueError(f"{path}: cannot be read as a safe torch checkpoint ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+
+
+def safe_torch_load_bytes(data: bytes, name: str) -> Any:
+    """Like safe_torch_load for a torch-serialised record held in memory (e.g. inside a .distcp file)."""
+    already = set(torch.serialization.get_safe_globals())
+    extra = [g for g in allowlist() if g not in already]
+    try:
+        with torch.serialization.safe_globals(extra):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # unknown global, cut record: one clear line
+        raise ValueError(f"{name}: cannot be read as a safe torch record ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None

@@ -2,10 +2,12 @@
 
 megatron-core's own torch_dist strategy needs every tensor in memory before it writes. Here the
 sharded state dict carries `meta` placeholders (shape and dtype only); megatron still validates the
-sharding, writes `common.pt` and `metadata.json`, and translates the keys, and the tensor files and
-`.metadata` are written by torch.distributed.checkpoint's FileSystemWriter with megatron's
-MCoreSavePlanner, whose `resolve_data` is asked for one write item at a time: that is when the chunk
-is read from the source (and cut to the kept experts), written, and let go.
+sharding, writes the common state (`common.pt`; from 0.19 a `common_state` object in the .distcp files)
+and `metadata.json`, and translates the keys, and the tensor files and `.metadata` are written by
+torch.distributed.checkpoint's FileSystemWriter with megatron's MCoreSavePlanner, whose `resolve_data`
+is asked for one write item at a time: that is when the chunk is read from the source (and cut to the
+kept experts), written, and let go. The strategy is a TorchDistSaveShardedStrategy: from megatron-core
+0.17 `dist_checkpointing.save` replaces any other strategy with its own.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from mindspeed_proxy.proxy.errors import ConversionError
 
 
 def _strategy(fetch: dict, progress=None):
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
@@ -38,7 +40,7 @@ def _strategy(fetch: dict, progress=None):
                 progress(key[0])
             return data
 
-    class StreamingSave(SaveShardedStrategy):
+    class StreamingSave(TorchDistSaveShardedStrategy):
         """torch_dist (version 1) save strategy that writes chunk by chunk from a single process."""
 
         def save(self, sharded_state_dict, checkpoint_dir):
