@@ -10,7 +10,19 @@ TESTS ?= tests
 # shared between workers through a file lock, mindspeed_proxy/testing/shared.py). XDIST= runs in one process.
 XDIST ?= -n auto --dist loadfile
 
-.PHONY: setup demo rl-demo test test-all clean-venv
+# The current megatron-core line (0.17+ needs Python >= 3.12) in its own venv; never part of `make test` / CI:
+# on Python 3.12 `pip install torch==2.13.0` fetches the CUDA build (runs on CPU, large download).
+PYTHON_LATEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3.12)
+MCORE_LATEST ?= 0.19.2
+VENV_LATEST ?= .venv-latest
+PY_LATEST := $(VENV_LATEST)/bin/python
+STAMP_LATEST := $(VENV_LATEST)/.mindspeed-proxy-installed
+# launcher and version gate, monitor families, converter read/write and load-back (Megatron-LM's own
+# pretrain_gpt.py too, where MEGATRON_LM_PATH names a core_v0.19 checkout)
+LATEST_TESTS ?= tests/test_versions.py tests/test_patches.py tests/test_platform.py tests/monitor tests/proxy \
+	tests/test_megatron_lm.py
+
+.PHONY: setup demo rl-demo test test-all test-latest clean-venv
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +43,18 @@ rl-demo: setup
 test: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(TESTS)
 
+$(STAMP_LATEST): setup.py Makefile
+	test -x $(PY_LATEST) || $(PYTHON_LATEST) -m venv $(VENV_LATEST)
+	$(PY_LATEST) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY_LATEST) -m pip install -q --disable-pip-version-check megatron-core==$(MCORE_LATEST)
+	$(PY_LATEST) -m pip install -q --disable-pip-version-check -e '.[test,proxy,hf]' pybind11
+	touch $(STAMP_LATEST)
+
+test-latest: $(STAMP_LATEST)
+	$(PY_LATEST) -m pytest -q $(XDIST) -m "not slow" -rs $(PYTEST_ARGS) $(LATEST_TESTS)
+
 test-all: setup
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) $(TESTS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_LATEST)

@@ -18,8 +18,8 @@ setup(
     install_requires=[
         "torch>=2.4",
         "numpy",
-        # Tested on 0.16.1; the patched code paths are written for the 0.12-0.16 line.
-        "megatron-core>=0.12,<0.17",
+        # Tested on 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12, `make test-latest`); rows cover 0.12-0.19.
+        "megatron-core>=0.12,<0.20",
         "packaging",
         "psutil",  # megatron dist_checkpointing imports it
     ],

@@ -9,6 +9,7 @@ unpickling (`trust=True`) is an explicit opt-in of the caller, never the default
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import sys
@@ -106,3 +107,24 @@ def safe_torch_load(path: str, map_location: str = "cpu", mmap: bool = False, tr
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # unknown global, truncated zip, bad magic: one clear line
         raise _describe_failure(path, exc) from None
+
+
+def safe_torch_load_bytes(data: bytes, name: str, trust: bool = False) -> Any:
+    """Like safe_torch_load for a torch-serialised record held in memory (e.g. inside a .distcp file)."""
+    if trust:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    trusted = trusted_globals()
+    already = set(torch.serialization.get_safe_globals())
+    extra = [g for g in trusted if g not in already]
+    try:
+        with torch.serialization.safe_globals(extra):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # unknown global, cut record: one clear line
+        found = _GLOBAL.search(str(exc))
+        if found:
+            raise UnsupportedGlobalError(
+                f"unsupported type {found.group(1)} in {name}: not in megatron-core's safe globals (nothing was "
+                "unpickled; pass --trust-checkpoint to load it with full unpickling if you trust the file)",
+                found.group(1)) from None
+        raise CheckpointReadError(f"{name}: cannot be read as a safe torch record ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None

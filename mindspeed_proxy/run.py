@@ -32,11 +32,16 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(script):
         print(f"mindspeed_proxy.run: error: {script}: no such script", file=sys.stderr)
         raise SystemExit(2)
+    from mindspeed_proxy.patches.registry import UnsupportedVersionError
+
     try:
         from mindspeed_proxy import platform
 
         platform.activate()
         apply_from_argv(argv[1:])
+    except UnsupportedVersionError as exc:  # its message is one line naming the version and the range
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
     except ValueError as exc:
         print(f"mindspeed_proxy.run: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

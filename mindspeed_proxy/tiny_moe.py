@@ -105,13 +105,14 @@ def transformer_config(cfg: TinyMoEConfig):
             moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
             moe_router_score_function=cfg.moe_router_score_function,
             moe_grouped_gemm=cfg.moe_grouped_gemm,
-            moe_use_legacy_grouped_gemm=cfg.moe_grouped_gemm,
             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_router_dtype="fp32",
         )
+        kwargs.update(_legacy_grouped_gemm(cfg, TransformerConfig))
     if cfg.multi_latent_attention:
+        _check_mla_q_norm(cfg)
         kwargs.update(
             multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
             qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
@@ -121,6 +122,27 @@ def transformer_config(cfg: TinyMoEConfig):
         )
     kwargs.update(cfg.extra)
     return (MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig)(**kwargs)
+
+
+def _legacy_grouped_gemm(cfg: TinyMoEConfig, config_class) -> dict:
+    """The legacy GroupedMLP switch where megatron-core has it (< 0.17); refuse grouped GEMM where it is TE-only."""
+    if "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(config_class)}:
+        return {"moe_use_legacy_grouped_gemm": cfg.moe_grouped_gemm}
+    if cfg.moe_grouped_gemm:
+        raise ValueError("moe_grouped_gemm: this megatron-core has no legacy GroupedMLP (gone from 0.17); its "
+                         "grouped GEMM needs Transformer Engine")
+    return {}
+
+
+def _check_mla_q_norm(cfg: TinyMoEConfig) -> None:
+    """megatron-core 0.19 gives MLA without q_lora_rank a Q norm fused into linear_q_proj (TE-only): refuse on CPU."""
+    import importlib.util
+
+    if (cfg.qk_layernorm and cfg.q_lora_rank is None and importlib.util.find_spec("transformer_engine") is None
+            and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None):
+        raise ValueError("multi_latent_attention with qk_layernorm and q_lora_rank=None: this megatron-core (0.19+) "
+                         "fuses a Q norm into linear_q_proj, which needs Transformer Engine; set q_lora_rank or "
+                         "qk_layernorm=False")
 
 
 def layer_spec(config, vp_stage: Optional[int] = None):

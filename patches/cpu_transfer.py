@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from mindspeed_proxy.patches import cpu_parallel
-from mindspeed_proxy.patches.registry import MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register, revert_feature
+from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register,
+                                              revert_feature)
 
 FEATURE = "cpu-platform"
 # megatron-core versions (= Megatron-LM core_vX.Y tags) the Megatron-LM training rows below are
-# written for: the patched call sites have the same shape in core_v0.12.0 .. core_v0.16.1 (read in
-# their source); end to end they were run on core_v0.16.1 (tests/test_megatron_lm.py).
+# written for: the patched call sites have the same shape in core_v0.12.0 .. core_v0.19.0 (read in
+# their source); end to end they were run on core_v0.16.1 and core_v0.19.0 (docs/megatron_lm.md).
 MEGATRON_LM_SUPPORTED = MEGATRON_CORE_SUPPORTED
 
 _FACTORIES = (
@@ -377,15 +378,18 @@ def _register_all() -> None:
         ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _megatron_get_rng_state, False),
         ("megatron.core.transformer.moe.moe_utils:te_general_gemm",
          lambda original: original, True),
+        # the legacy GroupedMLP and its grouped_gemm_util are gone from core_v0.17 (grouped GEMM is TE-only)
         ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
-         _fallback(_GroupedGemmPackage), False),
-        ("megatron.core.transformer.moe.grouped_gemm_util:ops", _fallback(CPUGroupedGemmOps), False),
+         _fallback(_GroupedGemmPackage), False, BEFORE_0_17),
+        ("megatron.core.transformer.moe.grouped_gemm_util:ops", _fallback(CPUGroupedGemmOps), False,
+         BEFORE_0_17),
         ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu", _host_copy, False),
         ("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu", _host_copy, False),
         ("megatron.core.transformer.multi_latent_attention:HAVE_TE", _te_installed, True),
     ]
-    for target, build, optional in megatron_rows:
-        register(Patch(target, build, FEATURE, optional=optional))
+    for target, build, optional, *versions in megatron_rows:
+        register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_CORE_SUPPORTED,
+                       optional=optional))
     # Megatron-LM training internals (megatron.training / megatron.legacy): only present when a
     # Megatron-LM checkout is on the path, so every row is optional; gated by MEGATRON_LM_SUPPORTED.
     megatron_lm_rows = [
@@ -396,10 +400,12 @@ def _register_all() -> None:
         ("megatron.training.training:initialize_megatron", _allow_no_cuda),
         # _compile_dependencies() calls fused_kernels.load(), which shells out to
         # $CUDA_HOME/bin/nvcc; CPU has no CUDA kernels to build -> no-op.
-        ("megatron.legacy.fused_kernels:load", _no_fused_kernels),
+        # megatron.legacy.fused_kernels is gone from core_v0.17 (initialize no longer builds CUDA kernels).
+        ("megatron.legacy.fused_kernels:load", _no_fused_kernels, BEFORE_0_17),
     ]
-    for target, build in megatron_lm_rows:
-        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=True,
+    for target, build, *versions in megatron_lm_rows:
+        register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_LM_SUPPORTED,
+                       optional=True,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
 
 

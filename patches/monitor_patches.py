@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from mindspeed_proxy.patches.registry import register_wrappers
+from mindspeed_proxy.patches.registry import BEFORE_0_18, register_wrappers
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 FEATURE = "mechanism-monitor"
@@ -133,6 +133,8 @@ def register_all() -> None:
         ("megatron.training.checkpointing:load_checkpoint", load_checkpoint_wrapper, True),
         ("megatron.training.training:load_checkpoint", load_checkpoint_wrapper, True),
         ("megatron.training.arguments:parse_args", parse_args_wrapper, True),
-        ("megatron.training.initialize:parse_args", parse_args_wrapper, True),
+        # initialize_megatron parses the args itself before core_v0.18; from 0.18 `parse_and_validate_args`
+        # of megatron.training.arguments does (the row above) and initialize.py no longer imports parse_args
+        ("megatron.training.initialize:parse_args", parse_args_wrapper, True, BEFORE_0_18),
     ]
     register_wrappers(rows, FEATURE)

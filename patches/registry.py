@@ -2,20 +2,30 @@
 
 Each row names its target by dotted path, the callable that builds the replacement from the
 original, the megatron-core versions it is written for and the feature that needs it. Nothing is
-patched at import time; `apply_feature()` applies the rows of one feature, once, and refuses an
-unsupported megatron-core version with one line naming the version and the target.
+patched at import time; `apply_feature()` applies the rows of one feature that are written for the
+megatron-core actually imported, once, and refuses a version outside MEGATRON_CORE_SUPPORTED with one
+line naming the version, where it was found and the supported range.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 # megatron-core releases the patched code paths are written against (checked against their source).
-MEGATRON_CORE_SUPPORTED = ">=0.12.0,<0.17"
+MEGATRON_CORE_SUPPORTED = ">=0.12.0,<0.20"
+# The lines where a target exists only on one side of a move (rows name the one that fits).
+BEFORE_0_17 = ">=0.12.0,<0.17"
+BEFORE_0_18 = ">=0.12.0,<0.18"
+# Python each megatron-core line declares (pyproject `requires-python`); a checkout on PYTHONPATH bypasses pip's check.
+PYTHON_REQUIRED = {">=0.17": ">=3.12", "<0.17": ">=3.10"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +41,7 @@ class Patch:
 
 
 class UnsupportedVersionError(RuntimeError):
-    """The installed megatron-core version is outside a patch's supported range."""
+    """The imported megatron-core version is outside MEGATRON_CORE_SUPPORTED (message: one line)."""
 
 
 _REGISTRY: list[Patch] = []
@@ -47,10 +57,11 @@ def register(patch: Patch) -> Patch:
 
 
 def register_wrappers(rows, feature: str) -> None:
-    """Register (target, wrapper builder, optional) rows of `feature`; the builder's docstring describes it."""
-    for target, build, optional in rows:
-        register(Patch(target, build, feature, optional=optional,
-                       description=(build.__doc__ or "").strip().splitlines()[0]))
+    """Register (target, wrapper builder, optional[, versions]) rows of `feature`; the builder's docstring
+    describes it; without versions a row is written for every supported megatron-core line."""
+    for target, build, optional, *versions in rows:
+        register(Patch(target, build, feature, versions=versions[0] if versions else MEGATRON_CORE_SUPPORTED,
+                       optional=optional, description=(build.__doc__ or "").strip().splitlines()[0]))
 
 
 def table() -> list[Patch]:
@@ -58,24 +69,86 @@ def table() -> list[Patch]:
     return list(_REGISTRY)
 
 
+def _package_info_path() -> str | None:
+    """Path of the package_info.py of the `megatron.core` that is (or would be) imported, else None."""
+    module = sys.modules.get("megatron.core.package_info")
+    if module is not None:
+        return getattr(module, "__file__", None)
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(location, "package_info.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _literal_fields(path: str) -> dict:
+    """The literal top-level assignments of a package_info.py, read without running it (0.18+ runs git)."""
+    fields = {}
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                fields[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return fields
+
+
+def _version_from(fields: dict) -> Version | None:
+    """The release of a package_info namespace: MAJOR.MINOR.PATCH+PRE_RELEASE (no VCS suffix), else __version__."""
+    try:
+        if all(k in fields for k in ("MAJOR", "MINOR", "PATCH")):
+            return Version(f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}")
+        for key in ("__shortversion__", "__version__"):
+            if isinstance(fields.get(key), str):
+                return Version(Version(fields[key]).public)
+    except InvalidVersion:
+        return None
+    return None
+
+
 def megatron_core_version() -> Version | None:
-    """Return the installed megatron-core version, or None if it is not installed."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
-    try:
-        return Version(version("megatron-core"))
-    except PackageNotFoundError:
-        return None
+    """Return the version of the `megatron.core` actually imported (its package_info), or None if there is none."""
+    module = sys.modules.get("megatron.core.package_info")
+    if module is not None:
+        return _version_from(vars(module))
+    path = _package_info_path()
+    return None if path is None else _version_from(_literal_fields(path))
+
+
+def within(version: Version, specifiers: str) -> bool:
+    """Whether `version` (pre-releases included: a checkout of a release branch) satisfies `specifiers`."""
+    return SpecifierSet(specifiers).contains(version, prereleases=True)
+
+
+def check_supported(mcore: Version | None = None) -> Version:
+    """Return the imported megatron-core version; raise UnsupportedVersionError (one line) if outside the range
+    or if this Python is older than that megatron-core line needs."""
+    mcore = mcore if mcore is not None else megatron_core_version()
+    path = _package_info_path()
+    where = f" (megatron.core from {os.path.dirname(path)})" if path else ""
+    found = "no importable megatron.core" if mcore is None and not path else f"megatron-core {mcore}{where}"
+    if mcore is None or not within(mcore, MEGATRON_CORE_SUPPORTED):
+        raise UnsupportedVersionError(
+            f"mindspeed-proxy: {found} is not supported; supported: megatron-core {MEGATRON_CORE_SUPPORTED}")
+    python = Version(".".join(map(str, sys.version_info[:3])))
+    needed = next(need for line, need in PYTHON_REQUIRED.items() if within(mcore, line))
+    if not within(python, needed):
+        raise UnsupportedVersionError(f"mindspeed-proxy: {found} needs Python {needed}, this is Python {python}")
+    return mcore
 
 
 def applies(patch: Patch, mcore: Version | None = None) -> bool:
-    """Whether `patch` is written for the installed (or given) megatron-core version."""
+    """Whether `patch` is written for the imported (or given) megatron-core version."""
     if not patch.versions:
         return True
     mcore = mcore if mcore is not None else megatron_core_version()
-    return mcore is not None and mcore in SpecifierSet(patch.versions)
+    return mcore is not None and within(mcore, patch.versions)
 
 
 def resolve(target: str) -> tuple[Any, str, Any]:
@@ -90,15 +163,12 @@ def resolve(target: str) -> tuple[Any, str, Any]:
 
 def apply_feature(feature: str) -> list[str]:
     """Apply every registered patch of `feature` once; return the targets patched by this call."""
+    rows = [p for p in _REGISTRY if p.feature == feature and p.target not in _applied]
+    mcore = check_supported() if any(p.versions for p in rows) else None
     done = []
-    for patch in _REGISTRY:
-        if patch.feature != feature or patch.target in _applied:
-            continue
-        if not applies(patch):
-            raise UnsupportedVersionError(
-                f"mindspeed-proxy: megatron-core {megatron_core_version()} is not supported by patch "
-                f"{patch.target} (feature {feature}, written for megatron-core {patch.versions})"
-            )
+    for patch in rows:
+        if not applies(patch, mcore):
+            continue  # written for other megatron-core lines, where its target lives
         try:
             owner, attr, original = resolve(patch.target)
         except (ImportError, AttributeError):

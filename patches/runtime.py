@@ -22,7 +22,7 @@ class MonitorRuntime:
 
         When Megatron-LM drives training and no start was set, its own counter: `train()` publishes
         the 0-based step as `args.curr_iteration` before each `train_step` (`args.iteration` is only
-        the start iteration; core_v0.12-0.16 training.py). Otherwise our counter of finished steps + 1.
+        the start iteration; core_v0.12-0.19 training.py). Otherwise our counter of finished steps + 1.
         """
         if self.iteration is None:
             current = getattr(megatron_lm_args(), "curr_iteration", None)

@@ -22,13 +22,23 @@ torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state as ps  # noqa: E402
 
 ps.initialize_model_parallel(1, 1)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # noqa: E402
+
 from mindspeed_proxy.tiny_moe import TinyMoEConfig, layer_spec, transformer_config  # noqa: E402
 
 torch.manual_seed(0)
 config = transformer_config(TinyMoEConfig(num_layers=1, num_experts=int(sys.argv[3])))
 spec = layer_spec(config).layer_specs[0].submodules.mlp
 extra = {"layer_number": 1} if config.num_moe_experts else {}
-mlp = spec.module(config=config, submodules=spec.submodules, **extra)
+if isinstance(spec, ModuleSpec):
+    mlp = build_module(spec, config=config, **extra)
+else:  # megatron-core 0.19: a builder, called as TransformerLayer calls it, then numbered
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    mlp = spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False,
+               name=None)
+    if hasattr(mlp, "set_layer_number"):
+        mlp.set_layer_number(1)
 x = torch.randn(16, 2, config.hidden_size, requires_grad=True)
 out, _ = mlp(x)
 out.float().square().mean().backward()

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.proxy.dist_common import is_common_record, read_common
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import layout_from_args
 from mindspeed_proxy.proxy.legacy_io import TRACKER, MoELayer, iteration_dir_name, resolve_iteration
@@ -55,8 +55,9 @@ def close_group() -> None:
 
 
 def is_model_key(key: str) -> bool:
-    """True for model entries (not optimizer state, not RNG records)."""
-    return not key.startswith(("optimizer.", "rng_state"))
+    """True for model entries (not optimizer state, RNG or rerun-state-machine records: megatron-core 0.19
+    saves the latter always, per source rank, and Megatron-LM's --finetune load does not ask for it)."""
+    return not key.startswith(("optimizer.", "rng_state", "rerun_state_machine_state"))
 
 
 def is_stacked(key: str) -> bool:
@@ -137,12 +138,6 @@ class DistIndex:
         self.info = info
         if not os.path.isfile(os.path.join(folder, ".metadata")):
             raise ConversionError(f"{folder}: missing .metadata (incomplete torch_dist checkpoint)")
-        if not os.path.isfile(os.path.join(folder, "common.pt")):
-            raise ConversionError(f"{folder}: missing common.pt (incomplete torch_dist checkpoint)")
-        try:
-            self.common = safe_torch_load(os.path.join(folder, "common.pt"), trust=trust)
-        except ValueError as exc:  # names the file and what is wrong (refused type, truncation)
-            raise ConversionError(str(exc)) from None
         try:
             meta = FileSystemReader(folder).read_metadata()
         except Exception as exc:
@@ -157,6 +152,10 @@ class DistIndex:
             if os.path.getsize(path) < end:
                 raise ConversionError(f"truncated or unreadable shard: {path} has {os.path.getsize(path)} bytes, "
                                       f".metadata expects at least {end}")
+        try:
+            self.common = read_common(folder, meta, trust)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
         self.tensors, self.layers_of, self.objects = {}, {}, {}
         for key, item in meta.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -165,7 +164,7 @@ class DistIndex:
                 self.tensors[key] = (tuple(item.size), item.properties.dtype)
                 if is_stacked(key):
                     self.layers_of[key] = sorted({c.offsets[0] + i for c in item.chunks for i in range(c.sizes[0])})
-            elif is_model_key(key):
+            elif is_model_key(key) and not is_common_record(key):
                 match = _OBJECT.match(key)
                 if not match:
                     raise ConversionError(f"{folder}: unexpected non-tensor entry {key!r}")
@@ -180,7 +179,7 @@ class DistIndex:
 
 
 class DistCheckpoint:
-    """One iteration of a torch_dist checkpoint, validated against the `args` in its common.pt."""
+    """One iteration of a torch_dist checkpoint, validated against the `args` in its common state."""
 
     format = "torch_dist"
     chunks = ["model"]
@@ -191,7 +190,7 @@ class DistCheckpoint:
         self.index = DistIndex(self.folder, trust)
         common = self.index.common
         if "args" not in common:
-            raise ConversionError(f"{self.folder}/common.pt: no 'args' recorded")
+            raise ConversionError(f"{self.folder}: no 'args' recorded in its common state")
         self.args = common["args"]
         self.layout = layout_from_args(self.args)
         routers = sorted(k for k in self.index.tensors if k.endswith("mlp.router.weight"))

@@ -2,10 +2,12 @@
 
 megatron-core's own torch_dist strategy needs every tensor in memory before it writes. Here the
 sharded state dict carries `meta` placeholders (shape and dtype only); megatron still validates the
-sharding, writes `common.pt` and `metadata.json`, and translates the keys, and the tensor files and
-`.metadata` are written by torch.distributed.checkpoint's FileSystemWriter with megatron's
-MCoreSavePlanner, whose `resolve_data` is asked for one write item at a time: that is when the chunk
-is read from the source (and cut to the kept experts), written, and let go.
+sharding, writes the common state (`common.pt`; from 0.19 a `common_state` object in the .distcp files)
+and `metadata.json`, and translates the keys, and the tensor files and `.metadata` are written by
+torch.distributed.checkpoint's FileSystemWriter with megatron's MCoreSavePlanner, whose `resolve_data`
+is asked for one write item at a time: that is when the chunk is read from the source (and cut to the
+kept experts), written, and let go. The strategy is a TorchDistSaveShardedStrategy: from megatron-core
+0.17 `dist_checkpointing.save` replaces any other strategy with its own.
 """
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ import torch
 
 from mindspeed_proxy.proxy import pages
 from mindspeed_proxy.proxy.dist_chunks import ChunkReader, expected, proxy_chunks
+from mindspeed_proxy.proxy.dist_common import COMMON_FILE
 from mindspeed_proxy.proxy.errors import ConversionError
 
 
-def _strategy(fetch: dict, progress=None):
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+def _strategy(fetch: dict, progress=None, common_file: bool = False):
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
@@ -38,11 +41,15 @@ def _strategy(fetch: dict, progress=None):
                 progress(key[0])
             return data
 
-    class StreamingSave(SaveShardedStrategy):
+    class StreamingSave(TorchDistSaveShardedStrategy):
         """torch_dist (version 1) save strategy that writes chunk by chunk from a single process."""
 
         def save(self, sharded_state_dict, checkpoint_dir):
             """Translate to PyTorch sharded tensors and write them with the lazy planner."""
+            common = sharded_state_dict.get(COMMON_STATE_KEY)
+            if common_file and common is not None:  # megatron-core 0.19 saving for a common.pt source
+                del sharded_state_dict[COMMON_STATE_KEY]
+                torch.save(common.data, os.path.join(str(checkpoint_dir), COMMON_FILE))
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state = mcore_to_pyt_state_dict(state, False)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=False,
@@ -55,6 +62,9 @@ def _strategy(fetch: dict, progress=None):
             return True
 
     return StreamingSave("torch_dist", 1)
+
+
+COMMON_STATE_KEY = "common_state"  # where megatron-core 0.19's save puts the common state in the sharded dict
 
 
 def _fetcher(reader: ChunkReader, chunk, previous: list):
@@ -95,7 +105,10 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress),
+            # the proxy keeps the source's form of the common state: a common.pt source (megatron-core < 0.19,
+            # which reads nothing else) gets a common.pt proxy whichever megatron-core converts
+            common_file = os.path.isfile(os.path.join(ckpt.folder, COMMON_FILE))
+            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress, common_file),
                                     content_metadata=content_metadata)
     except ConversionError:
         raise

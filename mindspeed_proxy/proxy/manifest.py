@@ -79,7 +79,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
         "accelerators": {"source": s.world_size, "proxy": t.world_size},
         "args_diff": plan.args_diff,
         "dropped": [] if fmt == "hf" else
-        (["optimizer.* tensors", "optimizer (common.pt)", "rng_state objects"] if fmt == "torch_dist"
+        (["optimizer.* tensors", "optimizer (common state)", "rng_state objects", "rerun_state_machine_state objects"]
+         if fmt == "torch_dist"
          else ["optimizer", "rng_state", "rerun_state_machine", "distrib_optim.pt"])
         + ([] if plan.options.keep_optimizer_args else ["opt_param_scheduler"]),
         **({"hf": ckpt.manifest_info()} if fmt == "hf" else {}),

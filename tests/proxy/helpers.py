@@ -125,3 +125,22 @@ def forward(chunks, batch):
         return None
     assert len(captured) == len(batches) and all(torch.equal(c, captured[0]) for c in captured)
     return captured[0]
+
+
+def dist_common(folder):
+    """The common state of torch_dist `folder`, wherever the writing megatron-core kept it (common.pt before 0.19)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mindspeed_proxy.proxy.dist_common import read_common
+
+    return read_common(folder, FileSystemReader(folder).read_metadata())
+
+
+def common_files():
+    """The files besides .distcp that this megatron-core's torch_dist save writes."""
+    from packaging.version import Version
+
+    from mindspeed_proxy.patches.registry import megatron_core_version
+
+    return [".metadata", "metadata.json"] if megatron_core_version() >= Version("0.19") else \
+        [".metadata", "common.pt", "metadata.json"]

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from helpers import model_flags, forward as _forward, load_model, mask_router as _mask_router  # noqa: E402
+from helpers import common_files, dist_common, model_flags, forward as _forward, load_model, mask_router as _mask_router  # noqa: E402,E501
 from test_proxy_legacy import _first_losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,10 +104,11 @@ def test_dist_proxy_bit_exact_and_matches_masked_original(dist_checkpoints, hash
     if selection == "random":
         assert any(max(v) >= k for v in kept.values()), kept
     names = sorted(os.listdir(os.path.join(out, ITER)))  # one process writes: __0_<i>.distcp file(s)
-    assert [n for n in names if not n.startswith("__0_")] == [".metadata", "common.pt", "metadata.json"]
-    assert names[1:-2] and all(n.endswith(".distcp") and n[4:-7].isdigit() for n in names[1:-2]), names
+    assert [n for n in names if not n.startswith("__0_")] == common_files()
+    distcp = [n for n in names if n.startswith("__0_")]
+    assert distcp and all(n.endswith(".distcp") and n[4:-7].isdigit() for n in distcp), names
     assert hash_folder(src) == before  # the source is never written
-    common = safe_torch_load(os.path.join(out, ITER, "common.pt"))
+    common = dist_common(os.path.join(out, ITER))
     assert "optimizer" not in common and common["iteration"] == 2
     a = common["args"]
     assert (a.num_experts, a.expert_model_parallel_size, a.world_size, a.data_parallel_size) == (
@@ -126,7 +126,7 @@ def test_dist_proxy_bit_exact_and_matches_masked_original(dist_checkpoints, hash
             assert proxy[key].dtype == value.dtype and torch.equal(proxy[key], value), key
     assert experts == 2 * k * (2 + (2 if "bias" in name else 1))  # fc1, fc2, router weight (+ expert_bias)
     # (b) functional identity through megatron's strict sharded load at EP2
-    args = safe_torch_load(os.path.join(src, ITER, "common.pt"))["args"]
+    args = dist_common(os.path.join(src, ITER))["args"]
     results = run_distributed(identity_check, tp * max(ep_src, ep_dst), src, out, args, tp, ep_src, ep_dst, k,
                               kept, timeout=300)
     for r in results:

@@ -16,7 +16,7 @@ from mindspeed_proxy.proxy.plan import Options, make_plan
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 
-from helpers import model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
+from helpers import dist_common, model_flags  # noqa: E402  (tests/proxy is on sys.path under pytest)
 
 
 BASE = ["--target-expert-parallel-size", "1", "--target-num-experts", "4"]
@@ -265,7 +265,7 @@ def test_keep_optimizer_args(checkpoints, dist_checkpoints, tmp_path, capsys, fm
         if fmt == "torch":
             state = safe_torch_load(os.path.join(out, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"))
         else:
-            state = safe_torch_load(os.path.join(out, "iter_0000002", "common.pt"))
+            state = dist_common(os.path.join(out, "iter_0000002"))
         found[keep] = state
         assert ("opt_param_scheduler" in state) is keep and state["iteration"] == 2
         assert "optimizer" not in state and "rng_state" not in state

@@ -11,7 +11,7 @@ from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.testing import run_distributed
 
-from helpers import forward, load_model, mask_router  # noqa: E402  (tests/proxy is on sys.path under pytest)
+from helpers import dist_common, forward, load_model, mask_router  # noqa: E402  (tests/proxy is on sys.path)
 from test_proxy_dist import _convert as convert_subprocess, read_all  # noqa: E402
 from test_proxy_dist import identity_check as dist_identity_check  # noqa: E402
 from test_proxy_legacy import identity_check as legacy_identity_check  # noqa: E402
@@ -131,7 +131,7 @@ def test_dist_pp2_vpp2_proxy_reshards_and_matches_masked_original(dist_checkpoin
                 assert torch.equal(proxy[key][layer], value[layer][ids]), key
         else:
             assert torch.equal(proxy[key], value), key
-    args = safe_torch_load(os.path.join(src, ITER2, "common.pt"))["args"]
+    args = dist_common(os.path.join(src, ITER2))["args"]
     results = run_distributed(pipeline_identity, 4, src, out, args, 4, kept, "torch_dist", timeout=300)
     _check_pipeline_results(results)
     for r in results:
@@ -164,7 +164,7 @@ def test_dist_per_layer_expert_keys(dist_checkpoints, hash_folder, tmp_path):
         else:
             assert proxy[key].dtype == value.dtype and torch.equal(proxy[key], value), key
     assert sliced == 2 * 3  # layers 0 and 2: fc1, fc2, router
-    args = safe_torch_load(os.path.join(src, ITER2, "common.pt"))["args"]
+    args = dist_common(os.path.join(src, ITER2))["args"]
     for r in run_distributed(dist_identity_check, 2, src, out, args, 1, 2, 1, 4, kept, timeout=300):
         assert r["masked"] <= 1e-6 * max(1.0, r["scale"]), r  # observed: exactly 0.0
         assert r["unmasked"] > 1e-3 and r["checked"]["router"] == 2, r

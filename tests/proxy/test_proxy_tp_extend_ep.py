@@ -14,13 +14,15 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.testing import run_distributed
 
-from helpers import forward, load_model, mask_router  # noqa: E402  (tests/proxy is on sys.path)
+from conftest import legacy_grouped_gemm  # noqa: E402  (tests/proxy is on sys.path)
+from helpers import forward, load_model, mask_router  # noqa: E402
 
 FLAGS = ["--num-layers", "2", "--moe-grouped-gemm", "--bf16", "--tensor-model-parallel-size", "2",
          "--expert-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -86,6 +88,8 @@ def identity_check(src, out, k, kept):
 
 
 def test_tp_extend_ep_convert_bit_exact_and_matches_masked_original(tmp_path):
+    if not legacy_grouped_gemm():
+        pytest.skip("this megatron-core has no legacy GroupedMLP (gone from 0.17), which MindSpeed's layout needs")
     megatron_src = str(tmp_path / "megatron-src")
     ranks = run_distributed(build_source, 4, megatron_src, timeout=300)
     assert all(ep4 == dp * 2 + tp for tp, ep4, dp in ranks)  # megatron's expert rank = MindSpeed's ep*TP + tp
