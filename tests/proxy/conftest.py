@@ -8,15 +8,7 @@ from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.testing.shared import built_once, shared_dir
 from mindspeed_proxy.training.loop import train
 
-from helpers import CONFIGS, TINY  # noqa: E402  (tests/proxy is on sys.path under pytest)
-
-def legacy_grouped_gemm() -> bool:
-    """Whether the imported megatron-core still has the legacy GroupedMLP (megatron-core < 0.17)."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)}
+from helpers import CONFIGS, TINY, legacy_grouped_gemm  # noqa: E402  (tests/proxy is on sys.path under pytest)
 
 
 class Checkpoints:

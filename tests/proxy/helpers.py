@@ -19,6 +19,15 @@ CONFIGS = {
 }
 
 
+def legacy_grouped_gemm() -> bool:
+    """Whether the imported megatron-core still has the legacy GroupedMLP (megatron-core < 0.17)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
 def model_flags(name: str) -> list:
     """The trainer flags that describe checkpoint `name`'s model (without its parallel layout)."""
     flags = CONFIGS[name][1]

@@ -21,8 +21,7 @@ from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.testing import run_distributed
 
-from conftest import legacy_grouped_gemm  # noqa: E402  (tests/proxy is on sys.path)
-from helpers import forward, load_model, mask_router  # noqa: E402
+from helpers import forward, legacy_grouped_gemm, load_model, mask_router  # noqa: E402
 
 FLAGS = ["--num-layers", "2", "--moe-grouped-gemm", "--bf16", "--tensor-model-parallel-size", "2",
          "--expert-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
