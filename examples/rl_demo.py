@@ -31,7 +31,9 @@ FAULT = "rollout-router-noise:start=15,std=0.5"
 
 def run(cmd: list[str], ranks: int, log: str) -> float:
     """Run one command (under torchrun when `ranks` > 1); its output goes to `log`; returns seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    from mindspeed_proxy.determinism import PINNED_ENV
+
+    env = {**os.environ, **PINNED_ENV, "PYTHONPATH": ROOT}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1 \
         else [sys.executable]
     start = time.perf_counter()

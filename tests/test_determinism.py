@@ -57,3 +57,13 @@ def test_demo_warmup_twice_gives_bit_identical_losses_and_weights(tmp_path):
     a, b = (_weights(w) for w in works)
     assert a.keys() == b.keys() and len(a) > 10
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_launcher_pins_the_same_numerics():
+    """The fault matrix's `env` and the RL demo launch with determinism.PINNED_ENV, one source."""
+    from mindspeed_proxy.determinism import NUMERIC_ENV, PINNED_ENV
+
+    cfg = load_config(str(REPO / "examples" / "configs" / "fault_matrix.yaml"))
+    assert cfg["env"] == PINNED_ENV
+    assert set(PINNED_ENV) <= set(NUMERIC_ENV)
+    assert "PINNED_ENV" in (REPO / "examples" / "rl_demo.py").read_text(encoding="utf-8")
