@@ -139,3 +139,38 @@ def test_bad_nan_activation_specs_are_named(text, message):
 
     with pytest.raises(ValueError, match=message):
         parse_fault(text)
+
+
+RL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
+      "--num-attention-heads", "4", "--num-query-groups", "2", "--seed", "7", "--grpo-prompts-per-step", "4",
+      "--grpo-group-size", "4", "--micro-batch-size", "8", "--rl-eval-prompts", "0", "--grpo-iterations", "1",
+      "--train-iters", "3", "--enable-mechanism-monitor", "--no-check-for-nan-in-loss-and-grad"]
+
+
+def rl_run(root: str, fault: str, ep: int) -> dict:
+    """The GRPO loop (mindspeed_proxy.rl.train) with `fault`; its step records and, on rank 0, the monitor's."""
+    import torch
+
+    from mindspeed_proxy.patches.runtime import RUNTIME
+    from mindspeed_proxy.rl.train import main
+
+    main(RL + ["--inject-fault", fault, "--expert-model-parallel-size", str(ep), "--log-dir", root,
+               "--mechanism-monitor-output", os.path.join(root, "monitor")])
+    RUNTIME.reset()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    with open(os.path.join(root, "metrics.jsonl"), encoding="utf-8") as fh:
+        steps = [r for r in map(json.loads, fh) if r["type"] == "step"]
+    with open(os.path.join(root, "monitor", "monitor.jsonl"), encoding="utf-8") as fh:
+        records = [r for r in map(json.loads, fh) if r["type"] in ("non-finite", "alert")]
+    return {"steps": steps, "records": records}
+
+
+def test_rl_loop_names_the_origin_at_ep2(tmp_path):
+    out = run_distributed(rl_run, 2, str(tmp_path), f"nan-activation:start=2,module={ATTENTION1},rank=1", 2,
+                          timeout=600)[0]
+    assert [r["skipped_steps"] for r in out["steps"]] == [0, 1, 0]
+    records = [r for r in out["records"] if r["type"] == "non-finite"]
+    alerts = [r for r in out["records"] if r["type"] == "alert"]
+    assert [(r["step"], r["origin"], r["origin_rank"]) for r in records] == [(2, ATTENTION1, 1)]
+    assert [a["mechanism"] for a in alerts] == [f"non-finite: origin {ATTENTION1} (rank 1)"]
