@@ -13,17 +13,15 @@ Megatron's RerunStateMachine (megatron/core/rerun_state_machine.py) re-runs a wh
 transient from a persistent fault; it does not locate one, needs CUDA (its RNG state and flag
 all-reduces are on 'cuda') and a training loop built around `should_run_forward_backward`. This module
 takes its recipe instead: the same step's data (the trainer keeps its micro-batches) and its saved RNG
-state (Python, NumPy, torch, CUDA when present, and the tensor-parallel tracker) restored for the re-run.
+state (torch, CUDA when present, the tensor-parallel tracker) restored for the re-run.
 """
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 from functools import partial
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 _LOCAL_EXPERT = re.compile(r"^(.*)\.experts\.local_experts\.(\d+)(\..*)?$")
@@ -117,11 +115,13 @@ def backward_order(found, last_use: dict[str, int]) -> list[tuple[str, int, int]
 
 
 def rng_state() -> dict:
-    """The RNG state a re-run of the step starts from (Python, NumPy, torch, CUDA, tensor-parallel tracker)."""
+    """The RNG state a re-run of the step starts from: torch, CUDA when present, and the tensor-parallel
+    tracker (dropout, router jitter). Python's and NumPy's generators feed data pipelines, which the
+    re-run does not repeat (it replays the step's micro-batches), so they are left out."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": None, "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    state = {"torch": torch.get_rng_state(), "tracker": None,
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     try:
         state["tracker"] = dict(get_cuda_rng_tracker().get_states())
     except Exception:  # no tracker initialised (a model built outside Megatron's seeding)
@@ -133,8 +133,6 @@ def set_rng_state(state: dict) -> None:
     """Restore `rng_state()` output."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"])
