@@ -16,7 +16,7 @@ ROUTER1 = "decoder.layers.1.mlp.router.weight"
 ATTENTION1 = "decoder.layers.1.self_attention"
 
 
-def poisoned_run(out_dir, faults, ep=1, monitor=True):
+def poisoned_run(out_dir, faults, ep=1, monitor=True, dropout=0.0):
     """Train STEPS steps with `faults` (and the monitor when `monitor`); per step: skipped, losses, and for every
     forward-step call the phase it ran in and the forward hooks on the model; the monitor's alerts and records."""
     import torch
@@ -34,7 +34,7 @@ def poisoned_run(out_dir, faults, ep=1, monitor=True):
     config = MonitorConfig(interval=1000, delta=1000, router_interval=1000, output_dir=out_dir, sinks=["jsonl"])
     patches.apply(config, enable_monitor=monitor, faults=faults)
     init_parallel(ep=ep)
-    model_cfg = TinyMoEConfig(num_layers=2)
+    model_cfg = TinyMoEConfig(num_layers=2, extra={"hidden_dropout": dropout, "attention_dropout": dropout})
     train_cfg = TrainConfig(micro_batch_size=2, global_batch_size=4 * ep, lr=1e-3)
     trainer = Trainer(model_cfg, train_cfg, init_fn=lambda m: global_init(m, seed=5))
     calls: list = []
@@ -84,16 +84,17 @@ def _one_record(run):
 
 
 def test_grad_overflow_on_layer_1_router_is_named_as_that_parameter(tmp_path):
-    fault = f"grad-overflow:start=2,param=layers.1.mlp.router,value=inf"
-    run = run_distributed(poisoned_run, 1, str(tmp_path / "on"), [fault])[0]
-    plain = run_distributed(poisoned_run, 1, str(tmp_path / "off"), [fault], monitor=False)[0]
+    fault = "grad-overflow:start=2,param=layers.1.mlp.router,value=inf"
+    run = run_distributed(poisoned_run, 1, str(tmp_path / "on"), [fault], dropout=0.1)[0]
+    plain = run_distributed(poisoned_run, 1, str(tmp_path / "off"), [fault], monitor=False, dropout=0.1)[0]
     record, alert = _one_record(run)
     assert alert["mechanism"] == f"non-finite: origin {ROUTER1} (rank 0)"
     assert record["origin_kind"] == "parameter" and record["module"] is None and record["modules_by_rank"] == {}
     assert record["parameters"] == [{"name": ROUTER1, "ranks": [0]}]
     assert record["nonfinite_parameters_by_rank"] == {"0": 1}
     _finite_steps_are_untouched(run)
-    # the re-run leaves training as it was: the step after the skipped one is bit-identical without the monitor
+    # the re-run (with dropout) leaves training as it was: the RNG continues where the step left it, so the
+    # step after the skipped one is bit-identical without the monitor
     assert [s["loss"] for s in run["steps"]] == [s["loss"] for s in plain["steps"]]
     assert plain["alerts"] == [] and plain["hook_calls"] is None
 
@@ -174,3 +175,11 @@ def test_rl_loop_names_the_origin_at_ep2(tmp_path):
     alerts = [r for r in out["records"] if r["type"] == "alert"]
     assert [(r["step"], r["origin"], r["origin_rank"]) for r in records] == [(2, ATTENTION1, 1)]
     assert [a["mechanism"] for a in alerts] == [f"non-finite: origin {ATTENTION1} (rank 1)"]
+
+
+def test_nan_activation_on_a_module_the_model_lacks_is_refused(tmp_path):
+    from mindspeed_proxy.testing.launcher import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match="the model has no module 'decoder.layers.9.self_attention'"):
+        run_distributed(poisoned_run, 1, str(tmp_path),
+                        ["nan-activation:start=2,module=decoder.layers.9.self_attention"])
