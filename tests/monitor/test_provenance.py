@@ -183,3 +183,21 @@ def test_nan_activation_on_a_module_the_model_lacks_is_refused(tmp_path):
     with pytest.raises(DistributedTestError, match="the model has no module 'decoder.layers.9.self_attention'"):
         run_distributed(poisoned_run, 1, str(tmp_path),
                         ["nan-activation:start=2,module=decoder.layers.9.self_attention"])
+
+
+def test_combine_picks_the_earliest_module_then_the_lowest_rank_then_a_parameter_then_the_loss():
+    from mindspeed_proxy.monitor.provenance import alert_text, combine
+
+    def rank(r, module=None, position=None, params=()):
+        return {"rank": r, "module": module, "position": position, "parameters": list(params),
+                "count": len(params), "error": None}
+
+    late, early = rank(0, "decoder.layers.1.mlp", 40), rank(1, "decoder.layers.1.self_attention", 30)
+    assert alert_text(combine([late, early], 5)) == "non-finite: origin decoder.layers.1.self_attention (rank 1)"
+    tie = combine([rank(1, "a", 7), rank(0, "b", 7)], 5)
+    assert (tie["origin"], tie["origin_rank"]) == ("b", 0)
+    params = combine([rank(0, params=[("w1", -9, -3), ("w0", -2, -1)]), rank(1, params=[("w2", -12, -4)])], 5)
+    assert [p["name"] for p in params["parameters"]] == ["w2", "w1", "w0"]
+    assert (params["origin"], params["origin_kind"], params["origin_rank"]) == ("w2", "parameter", 1)
+    nothing = combine([rank(0), rank(1)], 5)
+    assert alert_text(nothing) == "non-finite: origin loss" and nothing["origin_kind"] == "loss"
