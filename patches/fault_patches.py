@@ -8,6 +8,10 @@
   DP rank) for the steps >= start; Megatron-LM's loop and our trainer size each step by it.
 - `grad-overflow`: after Megatron's finalize_model_grads, the first gradient element of the first
   parameter whose name contains `param` becomes inf/nan at step `start` (once).
+- `nan-activation`: a forward hook on the module named `module` (as in a checkpoint, e.g.
+  decoder.layers.1.self_attention) makes the first element of its output NaN/inf in the training forwards
+  (and their non-finite re-run) of step `start` (once), on rank `rank` (-1: every rank); the hook is
+  registered on the model chunks the patched get_megatron_optimizer receives.
 - `lowp-attention`: megatron-core's DotProductAttention computes through the tiled FlashAttention-2
   emulator of mindspeed_proxy.faults.lowp_attention (low-precision P̄ / P̄V rounding) for the steps
   >= start; installed only when this fault is requested. Causal or maskless attention without
@@ -126,6 +130,44 @@ def finalize_model_grads_wrapper(original):
         return result
 
     return finalize_model_grads
+
+
+def _poison(output, value: float):
+    """`output` (a tensor, or a tuple whose first item is one) with its first element set to `value`."""
+    if isinstance(output, tuple):
+        return (_poison(output[0], value),) + output[1:]
+    poisoned = output.clone()
+    poisoned.view(-1)[0] = value
+    return poisoned
+
+
+def attach_activation_faults(model_chunks) -> list:
+    """Register the nan-activation hooks on the named modules of `model_chunks`; return the handles.
+
+    Raises ValueError naming the module when no chunk of this rank has it (pipeline parallel: a module on
+    another stage is found there)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    handles = []
+    for fault in (f for f in RUNTIME.faults if f.name == "nan-activation"):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        value = float(fault["value"])
+
+        def hook(module, inputs, output, fault=fault, value=value):
+            if RUNTIME.phase in ("train", "rerun") and _upcoming_step() == fault["start"]:
+                return _poison(output, value)
+            return None
+
+        modules = [dict(chunk.named_modules()).get(fault["module"]) for chunk in unwrap_model(list(model_chunks))]
+        modules = [m for m in modules if m is not None]
+        if not modules and ps.get_pipeline_model_parallel_world_size() == 1:
+            raise ValueError(f"--inject-fault nan-activation: the model has no module {fault['module']!r} "
+                             "(names as in a checkpoint, e.g. decoder.layers.0.self_attention)")
+        if fault["rank"] in (-1, rank):
+            handles += [m.register_forward_hook(hook) for m in modules]
+    return handles
 
 
 def core_attention_forward_wrapper(original):

@@ -2,7 +2,8 @@
 
 - `get_megatron_optimizer` (megatron-core, and Megatron-LM's imported copy): creates the
   MechanismMonitor for the model chunks it receives and wraps the returned optimizer's `step` so that
-  each successful step (not one the grad scaler rejected) calls `after_optimizer_step(iteration)`.
+  each successful step (not one the grad scaler rejected) calls `after_optimizer_step(iteration)`;
+  with a `nan-activation` fault it registers that fault's hook on the chunks (fault_patches).
 - `TopKRouter.routing`: hands the logits it receives (before top-k) and the routing map it returns to
   `on_router_logits`. With no active monitor it only returns the original's result.
 - `MoELayer.forward`: hands the MoE layer's input hidden states (after the pre-MLP norm) to
@@ -61,6 +62,10 @@ def get_megatron_optimizer_wrapper(original):
                     {"name": f.name, **f.params} for f in RUNTIME.faults]})
         if RUNTIME.config is not None or RUNTIME.faults:
             attach_monitor(optimizer, RUNTIME.monitor)
+        if any(f.name == "nan-activation" for f in RUNTIME.faults):
+            from mindspeed_proxy.patches.fault_patches import attach_activation_faults
+
+            attach_activation_faults(model_chunks)
         return optimizer
 
     return get_megatron_optimizer

@@ -13,6 +13,7 @@ FAULTS: dict[str, dict[str, tuple[type, Any]]] = {
                        "rounding": (str, "nearest-even"), "targets": (str, "p+pv"), "block": (int, 64),
                        "seed": (int, 0)},
     "grad-overflow": {"start": (int, 1), "param": (str, "router"), "value": (str, "inf")},
+    "nan-activation": {"start": (int, 1), "module": (str, ""), "value": (str, "nan"), "rank": (int, -1)},
     # RL loop only (mindspeed_proxy.rl.train): the train-inference mismatch faults
     "rollout-router-noise": {"start": (int, 1), "std": (float, 0.05), "seed": (int, 0)},
     "sampler-lowp": {"start": (int, 1), "format": (str, "bf16")},
@@ -72,6 +73,9 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"--inject-fault {text!r}: steps must be >= 1")
     if name == "rollout-router-noise" and params["std"] <= 0:
         raise ValueError(f"--inject-fault {text!r}: std must be > 0")
-    if name == "grad-overflow" and params["value"] not in ("inf", "nan"):
+    if name == "nan-activation" and not params["module"]:
+        raise ValueError(f"--inject-fault {text!r}: nan-activation needs module=NAME (e.g. "
+                         "decoder.layers.1.self_attention)")
+    if name in ("grad-overflow", "nan-activation") and params["value"] not in ("inf", "nan"):
         raise ValueError(f"--inject-fault {text!r}: value must be inf or nan")
     return FaultSpec(name, params)

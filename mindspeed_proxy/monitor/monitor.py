@@ -15,7 +15,7 @@ import torch
 
 from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import MonitorConfig
-from mindspeed_proxy.monitor.detectors import DetectorBank
+from mindspeed_proxy.monitor.detectors import Alert, DetectorBank
 from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 STATISTICS = ("router", "attention-spectral", "update-spectral", "expert-features")
 ROUTER_WEIGHT_KEYS = ("similarity", "conditioning_ratio", "row_norm_mean", "row_norm_max")
+NONFINITE_HINT = ("the first module whose output was non-finite (record `module`), else the first non-finite "
+                  "gradient in backward order (`parameters`): check its inputs' scale, the precision it runs in, "
+                  "the loss scale and gradient clipping")
 ROUTER_SUMMARY_KEYS = ("entropy", "normalized_entropy", "load_entropy", "normalized_load_entropy",
                        "max_over_mean", "dead_experts", "overload", "margin")
 
@@ -73,6 +76,7 @@ class MechanismMonitor(SpectralFamilies):
         self.sinks = build_sinks(cfg.sinks, cfg.output_dir, tensorboard_writer, wandb_writer) \
             if self.is_logging_rank else []
         self.alerts: list = []
+        self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)
         self.last: dict[str, dict] = {}
         self._emit({"type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
                     "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts})
@@ -231,6 +235,29 @@ class MechanismMonitor(SpectralFamilies):
             self._fail("rl")
             self.disabled.add("rl")
             self._report()
+
+    # ---------------------------------------------------------------- non-finite provenance
+    def on_nonfinite(self, iteration: int, model_chunks, rerun) -> Optional[dict]:
+        """At a step every rank agreed is non-finite: name its origin (provenance.locate: collectives on every
+        rank), write one `non-finite` record and one alert; returns the record (None if locating failed)."""
+        from mindspeed_proxy.monitor import provenance
+
+        try:
+            record, self.provenance_hook_calls = provenance.locate(model_chunks, rerun, iteration)
+        except Exception:
+            self._fail("monitor")
+            self._report()
+            return None
+        text = provenance.alert_text(record)
+        alert = Alert(step=iteration, family="non-finite", metric="origin", layer=None, head_or_expert=None,
+                      value=float("nan"), baseline=None, z=None, kind="non-finite", mechanism=text,
+                      mitigation=NONFINITE_HINT)
+        self.alerts.append(alert)
+        self._emit(record)
+        self._emit({"type": "alert", **alert.to_dict()})
+        if self.is_logging_rank:
+            logger.warning("mechanism monitor: step %d: %s", iteration, text)
+        return record
 
     # ---------------------------------------------------------------- detection and sinks
     def _publish(self, family, iteration, records, per_layer, bank: DetectorBank) -> None:

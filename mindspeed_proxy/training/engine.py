@@ -202,6 +202,12 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        monitor = self._provenance_monitor()
+        start_rng = None
+        if monitor is not None:  # the state a re-run of this step starts from (a non-finite step only)
+            from mindspeed_proxy.monitor.provenance import rng_state
+
+            start_rng = rng_state()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -215,6 +221,9 @@ class Trainer:
             forward_only=False,
         )
         nonfinite = self._nonfinite(losses, loss_key)
+        if nonfinite and monitor is not None:  # every rank: the flag is agreed over the world
+            monitor.on_nonfinite(iteration if iteration is not None else _step_in_progress(), self.model,
+                                 partial(self._rerun_forward, microbatches, forward_step_func, start_rng))
         if nonfinite:  # never applied: the weights, the optimizer state and the LR schedule stay as they were
             for chunk in self.model:
                 chunk.zero_grad_buffer()
@@ -238,6 +247,31 @@ class Trainer:
         return {"loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
                 "lr": lr, "skipped": not ok, "nonfinite": nonfinite, "reports": losses}
 
+    def _provenance_monitor(self):
+        """The monitor told about non-finite steps: this trainer's, else the patched run's."""
+        from mindspeed_proxy.patches.runtime import RUNTIME
+
+        return self.monitor if self.monitor is not None else RUNTIME.monitor
+
+    def _rerun_forward(self, microbatches: list[dict], forward_step_func: Callable, start_rng) -> None:
+        """The step's forward again (Megatron's schedule, forward only, no grad) from the step's RNG state."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from mindspeed_proxy.monitor.provenance import rerun_context
+        from mindspeed_proxy.patches.runtime import RUNTIME
+
+        previous, RUNTIME.phase = RUNTIME.phase, "rerun"  # the router family does not count this forward
+        try:
+            with rerun_context(start_rng), torch.no_grad():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step_func,
+                    data_iterator=[iter(microbatches) for _ in self.model] if len(self.model) > 1
+                    else iter(microbatches),
+                    model=self.model, num_microbatches=len(microbatches), seq_length=self.model_cfg.seq_length,
+                    micro_batch_size=self.cfg.micro_batch_size, forward_only=True)
+        finally:
+            RUNTIME.phase = previous
+
     def _nonfinite(self, reports: list, loss_key: str) -> bool:
         """True on every rank when any rank's loss or (without fp16 loss scaling) gradient is NaN or inf.
 
@@ -252,3 +286,9 @@ class Trainer:
         flag = torch.tensor([float(bad)])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _step_in_progress() -> int:
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    return RUNTIME.current_step()
