@@ -19,7 +19,6 @@ import torch
 
 from mindspeed_proxy.rl import replay
 from mindspeed_proxy.rl import stats as S
-from mindspeed_proxy.rl.observe import rl_family
 
 PROG = "mindspeed_proxy.rl.train"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -257,6 +256,7 @@ def main(argv=None, prog: str = PROG) -> int:
     quiet_optional_kernels()
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl.arguments import grpo_config
+    from mindspeed_proxy.rl.observe import rl_family
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.update import GRPOEngine
     from mindspeed_proxy.rl.weights import snapshot

@@ -169,3 +169,28 @@ def test_public_api_from_a_minimal_loop_gives_our_loops_alerts(runs):
         assert layers["all"]["gap_abs_mean"] == pytest.approx(loop[step]["gap_abs_mean"], abs=1e-12)
         assert layers["all"]["mismatch_k3_kl"] == pytest.approx(loop[step]["mismatch_k3_kl"], rel=1e-9, abs=1e-12)
         assert [layers[str(i)]["topk_match"] for i in range(2)] == pytest.approx(loop[step]["topk_match"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rl-gap-layer-interval", "3", "--rl-gap-interval", "2"], "--rl-gap-layer-interval 3: must be a multiple"),
+    (["--rl-gap-layer-interval", "1"], "must be a multiple of --rl-gap-interval 0"),
+    (["--rl-gap-samples", "0"], "--rl-gap-samples 0: must be >= 1"),
+    (["--rl-gap-interval", "-1"], "--rl-gap-interval -1: must be >= 0"),
+])
+def test_bad_gap_flags_are_refused_at_parse_time(flags, message):
+    from mindspeed_proxy.rl.arguments import ArgumentError, parse
+
+    with pytest.raises(ArgumentError, match=message):
+        parse(flags, "mindspeed_proxy.rl.train")
+
+
+def test_engine_layout_is_transposed_to_the_routers_order():
+    import torch
+
+    from mindspeed_proxy.rl.observe import engine_to_megatron
+
+    routed = torch.arange(2 * 5 * 3 * 2).view(2, 5, 3, 2)  # [B, S, L, k]
+    ours = engine_to_megatron(routed)
+    assert ours.shape == (3, 5, 2, 2) and torch.equal(ours[1, 4, 0], routed[0, 4, 1])
+    with pytest.raises(ValueError, match=r"expected \[B, S, layers, top-k\]"):
+        engine_to_megatron(routed[0])
