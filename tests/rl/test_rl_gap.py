@@ -18,7 +18,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seed", "7", "--expert-model-parallel-size", "2"]
 BASE = MODEL + ["--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--micro-batch-size", "8",
                 "--rl-eval-prompts", "0", "--lr", "1e-3", "--min-lr", "1e-3", "--grpo-iterations", "1",
-                "--grpo-kl-beta", "0", "--grpo-entropy-term-weight", "0.01", "--rl-gap-interval", "1", "--rl-gap-samples", "8"]
+                "--grpo-kl-beta", "0", "--grpo-entropy-term-weight", "0.01",  # a gradient with zero advantages
+                "--rl-gap-interval", "1", "--rl-gap-samples", "8"]
 API_STEPS, NOISE_START = 10, 7
 CONFIGS = {
     "r3": ["--rl-routing-replay", "r3", "--train-iters", "2", "--inject-fault", "rollout-router-noise:start=1,std=0.5"],
@@ -60,8 +61,9 @@ def _test_loop(state, engine, batch, step):
     entropy = -(logp.exp() * logp).sum(-1)
     engine_layout = lambda x: x.permute(2, 1, 0, 3)  # [L, S, B, k] -> the engine's [B, S, L, k]  # noqa: E731
     state["observer"].observe(step, batch.logprobs, old, batch.response_mask, engine_layout(batch.routed_experts),
-                              train_routed_experts=engine_layout(routed), routed_probs=engine_layout(batch.routed_probs),
-                              model=model, input_ids=tokens, entropy=entropy, micro_batch=8)
+                              train_routed_experts=engine_layout(routed),
+                              routed_probs=engine_layout(batch.routed_probs), model=model, input_ids=tokens,
+                              entropy=entropy, micro_batch=8)
 
 
 def _run(root: str) -> None:
