@@ -40,14 +40,17 @@ def _test_loop(state, engine, batch, step):
     import torch
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from mindspeed_proxy.monitor import MechanismMonitor
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy.monitor import MechanismMonitor, MonitorConfig
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl.observe import RolloutObserver
 
     model, tokens, prompt = engine.model, batch.tokens, batch.prompt_length
-    if "observer" not in state:
-        config = dataclasses.replace(RUNTIME.monitor.config, output_dir=state["out"])
-        state["observer"] = RolloutObserver(MechanismMonitor(config, model), None)
+    if "observer" not in state:  # as docs/rl.md shows it: a default MonitorConfig, the data-parallel group
+        assert dataclasses.replace(RUNTIME.monitor.config, output_dir="x") == MonitorConfig(output_dir="x")
+        state["observer"] = RolloutObserver(MechanismMonitor(MonitorConfig(output_dir=state["out"]), model),
+                                            ps.get_data_parallel_group())
     model.eval()
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
     with torch.no_grad():
