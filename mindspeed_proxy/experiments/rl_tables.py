@@ -71,7 +71,8 @@ def run_data(run_dir, onset: Optional[int], collapse: dict) -> dict:
             "onset": onset, "alerts": len(alerts), "early_alerts": len(alerts) - len(after), "first": first,
             "families": families,
             "routing_alerts": sum(a["mechanism"].startswith(ROUTING) for a in after),
-            "topk_match_min": min((r["topk_match_mean"] for r in steps), default=None)}
+            "topk_match_min": min((r["topk_match_mean"] for r in steps), default=None),
+            "gap_steps": [r for r in steps if "gap_abs_mean" in r and (onset is None or r["iteration"] >= onset)]}
 
 
 def analyse(cfg: dict, results: list) -> dict:
@@ -174,6 +175,22 @@ def e3_rows(cfg: dict, data: dict) -> list[dict]:
     return rows
 
 
+def gap_rows(cfg: dict, data: dict) -> list[dict]:
+    """Train–rollout gap decomposition per run (steps from the onset with a decomposition): means and the cause."""
+    rows = []
+    for name, d in data.items():
+        steps = d.get("gap_steps") or []
+        if not steps:
+            continue
+        mean = {k: sum(r[k] for r in steps) / len(steps) for k in ("gap_abs_mean", "gap_flip_share",
+                                                                   "gap_weights_share", "gap_other_share",
+                                                                   "gap_flipped_token_frac")}
+        causes = [r["gap_cause"] for r in steps]
+        rows.append({"run": name, "steps": len(steps), **mean,
+                     "dominant_cause": max(set(causes), key=causes.count)})
+    return rows
+
+
 def cost_rows(cfg: dict, data: dict) -> list[dict]:
     """Ranks, CPU and wall seconds per GRPO step of the healthy original and proxy runs."""
     rows = []
@@ -231,6 +248,8 @@ def markdown(cfg: dict, data: dict, e4: Optional[dict], extra: dict) -> str:
         "\n## E4: the proxy's task reward (held-out, "
         f"{cfg['e4_eval_prompts']} prompts × 4 samples) right after conversion and after {cfg['run_iters']} "
         "GRPO steps\n\n", _table(e4_rows),
+        *(["\n## Train–rollout gap decomposition (shares of Σ|term|; steps from the onset)\n\n",
+           _table(gap_rows(cfg, data))] if gap_rows(cfg, data) else []),
         "\n## Cost (healthy runs)\n\n", _table(cost),
         f"\nProxy vs original: {cost[1]['ranks'] if len(cost) == 2 else '–'} vs "
         f"{cost[0]['ranks'] if cost else '–'} ranks, "

@@ -52,7 +52,7 @@ class MonitorConfig:
         "update-spectral": ["entropy", "effective_rank", "top1_energy"],
         "router": ["entropy", "similarity", "max_over_mean"],
         # load_drift is recorded, not tested: drift against the first step grows on every healthy run
-        "rl": ["topk_match", "any_layer_mismatch", "entropy"],
+        "rl": ["topk_match", "any_layer_mismatch", "entropy", "gap_abs_mean"],
     })
     # per family: "layer" tests each layer's series, "mean" the mean over layers (reported with layer None);
     # the mean is the quieter signal for a fault that moves every layer, per layer catches one layer

@@ -33,6 +33,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "mismatch_abs_logp_mean": "up",
     "load_drift": "up",
     "frobenius": "up",
+    "gap_abs_mean": "up",
 }
 
 MECHANISMS: dict[str, tuple[str, str]] = {
@@ -74,6 +75,16 @@ METRIC_MECHANISMS: dict[tuple[str, str], tuple[str, str]] = {
         "expert-load drift: the experts' token shares moved away from the first RL step's",
         "routing collapse under RL: lower LR, expert bias / aux loss, replay routing (R3)",
     ),
+}
+# the dominant term of the train–rollout logprob-gap decomposition (rl/gap.py) names the cause of a mismatch alert
+GAP_CAUSES: dict[str, tuple[str, str]] = {
+    "flip": ("routing-mismatch: expert flips",
+             "replay the rollout's experts in the training passes (R3: --rl-routing-replay r3)"),
+    "weights": ("routing-mismatch: routing weights",
+                "replay the rollout's routing probabilities as well as its experts (R3 replays the experts only)"),
+    "other": ("numeric mismatch",
+              "check the rollout's vs the trainer's precision and kernels (bf16 sampler, attention / GEMM kernels) "
+              "and that the rollout ran the trainer's current weights"),
 }
 NON_FINITE = ("non-finite statistic", "non-finite value: check for overflow (loss scale, grad clipping, BF16 ops)")
 

@@ -15,7 +15,7 @@ import torch
 
 from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import MonitorConfig
-from mindspeed_proxy.monitor.detectors import Alert, DetectorBank
+from mindspeed_proxy.monitor.detectors import GAP_CAUSES, ROUTING_MISMATCH, Alert, DetectorBank
 from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
@@ -77,6 +77,7 @@ class MechanismMonitor(SpectralFamilies):
             if self.is_logging_rank else []
         self.alerts: list = []
         self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)
+        self.gap_cause: Optional[str] = None  # dominant term of the last gap decomposition fed to the rl family
         self.last: dict[str, dict] = {}
         self._emit({"type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
                     "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts})
@@ -222,15 +223,19 @@ class MechanismMonitor(SpectralFamilies):
         """Detect on one RL step's metrics ({metric: {layer or None: value}}, already equal on every rank).
 
         Called by the RL loop after its own reductions, so it runs no collective; an exception
-        disables the rl family on this rank (every rank sees the same values and fails alike)."""
+        disables the rl family on this rank (every rank sees the same values and fails alike). With the gap
+        decomposition's shares (`gap_<term>_share`), mismatch alerts name its dominant term as the cause."""
         if "rl" in self.disabled or "rl" not in self.config.families:
             return
         try:
+            shares = {t: per_layer[f"gap_{t}_share"][None] for t in GAP_CAUSES if f"gap_{t}_share" in per_layer}
+            if len(shares) == len(GAP_CAUSES) and sum(shares.values()) > 0:
+                self.gap_cause = max(shares, key=shares.get)
             records = {}
             for metric, layers in per_layer.items():
                 for layer, value in layers.items():
                     records.setdefault("all" if layer is None else layer, {})[metric] = value
-            self._publish("rl", iteration, records, per_layer, self.rl_detectors)
+            self._publish("rl", iteration, records, per_layer, self.rl_detectors, relabel=self._gap_label)
         except Exception:
             self._fail("rl")
             self.disabled.add("rl")
@@ -260,10 +265,16 @@ class MechanismMonitor(SpectralFamilies):
         return record
 
     # ---------------------------------------------------------------- detection and sinks
-    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank) -> None:
+    def _gap_label(self, alert):
+        if self.gap_cause is not None and (alert.mechanism == ROUTING_MISMATCH[0] or alert.metric == "gap_abs_mean"):
+            alert.mechanism, alert.mitigation = GAP_CAUSES[self.gap_cause]
+        return alert
+
+    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, relabel=None) -> None:
         self.last[family] = {"step": iteration, "layers": records}
         series = self.config.detection_series(family, per_layer)
         alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
+        alerts = [relabel(a) for a in alerts] if relabel is not None else alerts
         self.alerts.extend(alerts)
         self._emit({"type": "sample", "family": family, "step": iteration, "layers": records})
         for alert in alerts:

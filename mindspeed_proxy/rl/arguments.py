@@ -78,12 +78,20 @@ def build_parser(prog: str, rl: bool = True) -> argparse.ArgumentParser:
                         "convert_to_proxy.py's --usage-file JSON")
     g.add_argument("--rl-routing-replay", choices=list(MODES), default="off",
                    help="r2: replay the training pass's own first pass; r3: replay the rollout's routing")
+    g.add_argument("--rl-gap-interval", type=int, default=0, metavar="N",
+                   help="every N RL steps split the train-rollout logprob gap into expert flips, routing weights "
+                        "and everything else (3 extra no-grad forwards of --rl-gap-samples rows); 0 = off")
+    g.add_argument("--rl-gap-samples", type=int, default=8, help="rows per rank the gap decomposition runs on")
+    g.add_argument("--rl-gap-layer-interval", type=int, default=0, metavar="N",
+                   help="every N RL steps (a multiple of --rl-gap-interval) also attribute the flip term to each "
+                        "MoE layer (one forward per layer); 0 = off")
     return p
 
 
 def _check_rl(args, dp: int, world: int) -> None:
     """Range checks of the RL flags (finiteness is checked for every float flag before)."""
-    positive = {"grpo_group_size": 2, "grpo_prompts_per_step": 1, "grpo_iterations": 1, "rl_max_new_tokens": 1}
+    positive = {"grpo_group_size": 2, "grpo_prompts_per_step": 1, "grpo_iterations": 1, "rl_max_new_tokens": 1,
+                "rl_gap_interval": 0, "rl_gap_samples": 1, "rl_gap_layer_interval": 0}
     for name, least in positive.items():
         value = getattr(args, name)
         if value is not None and value < least:
@@ -129,6 +137,9 @@ def _check_rl(args, dp: int, world: int) -> None:
                                 f"{args.rl_loss_aggregation} would weight sequences by length; use {GSPO_AGGREGATION}")
         args.rl_loss_aggregation = GSPO_AGGREGATION
     args.rl_loss_aggregation = args.rl_loss_aggregation or "token-mean"
+    layer_every, every = args.rl_gap_layer_interval, args.rl_gap_interval
+    if layer_every and (not every or layer_every % every):
+        raise ArgumentError(f"--rl-gap-layer-interval {layer_every}: must be a multiple of --rl-gap-interval {every}")
     if args.grpo_prompts_per_step % dp:
         raise ArgumentError(f"--grpo-prompts-per-step {args.grpo_prompts_per_step} is not divisible by the "
                             f"data-parallel size {dp} (world {world})")

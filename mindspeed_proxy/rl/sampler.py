@@ -1,4 +1,4 @@
-"""A no-grad autoregressive sampler over a megatron-core GPTModel: tokens, per-token logprobs, routed experts.
+"""A no-grad autoregressive sampler over a megatron-core GPTModel: tokens, logprobs, routed experts and probabilities.
 
 Every decode step runs the model over the whole fixed-length buffer (prompt + max new tokens, future
 positions holding PAD): causal attention makes position p depend on positions ≤ p only, so this is
@@ -29,6 +29,7 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, T] float: 1 for generated tokens up to and including EOD
     logprobs: torch.Tensor  # [B, T] float32: sampler log-probabilities of the response tokens
     routed_experts: Optional[torch.Tensor]  # [L, S, B, k] int64: experts of every input position, or None
+    routed_probs: Optional[torch.Tensor] = None  # [L, S, B, k] float32: their routing probabilities, or None
 
     @property
     def response(self) -> torch.Tensor:
@@ -110,7 +111,8 @@ class Sampler:
         logprobs = torch.zeros(batch, steps)
         mask = torch.zeros(batch, steps)
         alive = torch.ones(batch, dtype=torch.bool)
-        routing = None
+        routing = probs = None
+        hooks = replay.RoutingProbabilities(self.model) if self.record_routing else None
         was_training = self.model.training
         self.model.eval()
         precision = (torch.autocast(device_type=tokens.device.type, dtype=p.autocast_dtype)
@@ -123,6 +125,7 @@ class Sampler:
                     logp = next_token_logprobs(model_logits(self.model, tokens)[:, pos], p.temperature)
                     if self.record_routing:
                         routing = self._keep_routing(routing, replay.take_recorded(), pos, batch)
+                        probs = self._keep_routing(probs, hooks.take(), pos, batch)
                     if p.temperature == 0:
                         chosen = logp.argmax(dim=-1)
                     else:
@@ -135,7 +138,9 @@ class Sampler:
                     alive = alive & (chosen != EOD_ID)
         finally:
             self.model.train(was_training)
-        return RolloutBatch(tokens, prompt_len, mask, logprobs, routing)
+            if hooks is not None:
+                hooks.close()
+        return RolloutBatch(tokens, prompt_len, mask, logprobs, routing, probs)
 
     @staticmethod
     def _keep_routing(routing, recorded: torch.Tensor, pos: int, batch: int) -> torch.Tensor:

@@ -164,3 +164,10 @@ def load_drift(load: torch.Tensor, first_load: torch.Tensor) -> torch.Tensor:
     drift = 0.5 * (p - q).abs().sum(dim=-1)
     empty = (p_total <= 0) | (q_total <= 0)
     return torch.where(empty.squeeze(-1), torch.zeros_like(drift), drift)
+
+
+def expert_load(routing: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[L, E] token counts of the routing [L, N, k] at the tokens in mask [N]."""
+    picked = routing[:, mask].reshape(routing.shape[0], -1).long()
+    load = torch.zeros(routing.shape[0], num_experts, dtype=torch.float64)
+    return load.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.float64))

@@ -125,18 +125,12 @@ def _reward_sums(rollouts, group_size: int) -> tuple[torch.Tensor, torch.Tensor]
     return sums, advantages.float(), nonzero
 
 
-def _expert_load(routing: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[L, E] token counts of the routing [L, S·B, k] at the tokens in mask [S·B]."""
-    picked = routing[:, mask].reshape(routing.shape[0], -1)
-    load = torch.zeros(routing.shape[0], num_experts, dtype=torch.float64)
-    return load.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.float64))
-
-
 def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights, history, state) -> dict:
     """One GRPO step (rollouts, passes, optimizer steps, reduced metrics); returns its metrics record."""
     from megatron.core import parallel_state as ps
 
     from mindspeed_proxy.rl.correction import log_token_ratio, rollout_correction
+    from mindspeed_proxy.rl.gap import loop_gap
     from mindspeed_proxy.rl.rollout import sample_step
     from mindspeed_proxy.rl.weights import snapshot, swapped
 
@@ -162,6 +156,8 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
             else None
         with swapped(engine.model, ref_weights):
             ref_logp, _, _ = engine.logprob_pass(batch.tokens, batch.prompt_length, routing=replayed)
+        gap = loop_gap(engine, batch, args, step, dp_group) if args.rl_gap_interval and \
+            step % args.rl_gap_interval == 0 else {}
     loss_mask = batch.response_mask
     if cfg.filter_groups_with_same_reward:  # else (Megatron-LM's default) their tokens stay, with advantage 0
         loss_mask = loss_mask * nonzero.repeat_interleave(cfg.group_size).float().unsqueeze(1)
@@ -184,7 +180,7 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
     flat_used = used_routing.reshape(used_routing.shape[0], -1, used_routing.shape[-1])
     flat_rollout = batch.routed_experts.reshape(flat_used.shape)
     consistency = S.routing_consistency_sums(flat_rollout, flat_used, routing_mask, num_experts=args.num_experts)
-    load = _expert_load(flat_used, routing_mask, args.num_experts)
+    load = S.expert_load(flat_used, routing_mask, args.num_experts)
     mismatch = S.mismatch_sums(old_logp, batch.logprobs, mask)
     weights, kept = rollout_correction(old_logp, batch.logprobs, loss_mask, cfg.correction)
     if cfg.correction.is_level is None:  # no weight applied: the diagnostic is the train/rollout ratio itself
@@ -225,7 +221,7 @@ def rl_step(step: int, args, task, trainer, engine, sampler, faults, ref_weights
         "any_layer_mismatch": routing["any_layer_mismatch"], "topk_match": routing["topk_match"],
         "load_drift": drift, "load_drift_mean": sum(drift) / len(drift) if drift else 0.0,
         "optimizer_steps": len(results), "skipped_steps": sum(int(x["skipped"]) for x in results),
-        "rollout_time_s": t_rollout, "step_time_s": time.perf_counter() - t0,
+        "rollout_time_s": t_rollout, "step_time_s": time.perf_counter() - t0, **gap,
     }
     return record
 
@@ -255,18 +251,12 @@ def write_usage(path: str, model, usage: torch.Tensor) -> None:
             json.dump({str(layer): [int(c) for c in row] for layer, row in zip(layers, usage.tolist())}, fh)
 
 
-def rl_family(record: dict) -> dict:
-    """The rl family's sample of one step record: {metric: {layer or None: value}}."""
-    return {"topk_match": dict(enumerate(record["topk_match"])), "load_drift": dict(enumerate(record["load_drift"])),
-            "any_layer_mismatch": {None: record["any_layer_mismatch"]}, "entropy": {None: record["entropy"]},
-            "mismatch_k3_kl": {None: record["mismatch_k3_kl"]}}
-
-
 def main(argv=None, prog: str = PROG) -> int:
     """Run GRPO with Megatron-LM style `argv`; returns 0, exits 2 on bad input before anything starts."""
     quiet_optional_kernels()
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl.arguments import grpo_config
+    from mindspeed_proxy.rl.observe import rl_family
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.update import GRPOEngine
     from mindspeed_proxy.rl.weights import snapshot

@@ -37,3 +37,25 @@ def test_moving_average_and_pearson_match_numpy():
     assert pearson(a, b) == pytest.approx(float(np.corrcoef(a, b)[0, 1]), abs=1e-12)
     assert pearson(a, [1.0] * 40) is None and pearson([1.0], [2.0]) is None
     assert math.isclose(pearson(a, [-x for x in a]), -1.0)
+
+
+def test_gap_table_averages_the_decomposed_steps_from_the_onset(tmp_path):
+    import json
+
+    from mindspeed_proxy.experiments.rl_tables import gap_rows, run_data
+
+    def step(i, flip, other, cause):
+        return {"type": "step", "iteration": i, "reward_mean": 0.5, "topk_match_mean": 1.0, "gap_abs_mean": 0.1 * i,
+                "gap_flip_share": flip, "gap_weights_share": 0.0, "gap_other_share": other,
+                "gap_flipped_token_frac": flip, "gap_cause": cause}
+    records = [step(1, 0.0, 1.0, "numeric mismatch"), {"type": "step", "iteration": 2, "reward_mean": 0.5,
+                                                       "topk_match_mean": 1.0},
+               step(3, 0.9, 0.1, "routing-mismatch: expert flips"), step(4, 0.7, 0.3, "routing-mismatch: expert flips"),
+               step(5, 0.2, 0.8, "numeric mismatch")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = {"original_noise": run_data(tmp_path, 3, {"window": 2, "factor": 0.5})}
+    (row,) = gap_rows({}, data)
+    assert row["run"] == "original_noise" and row["steps"] == 3  # step 1 is before the onset, step 2 has no gap
+    assert row["gap_abs_mean"] == pytest.approx(0.4) and row["gap_flip_share"] == pytest.approx(0.6)
+    assert row["dominant_cause"] == "routing-mismatch: expert flips"
+    assert gap_rows({}, {"x": run_data(tmp_path / "missing", None, {"window": 2, "factor": 0.5})}) == []
