@@ -144,12 +144,13 @@ def e3_band_rows(cfg: dict, data: dict, seeds) -> list[dict]:
                               moving_average([b["rewards"][s] for s in steps], width)))
         n = len(pairs)
         ok = all(within) and all(outcome) and all(family)
+        verdict = "n/a (1 seed: no band)" if n < 2 else "met" if ok else "MISS"
         rows.append({"fault": fault, "seeds": n, "band": band,
                      "proxy–original distance": ", ".join("–" if x is None else f"{x:.3f}" for x in dists),
                      "within band": f"{sum(within)} / {n}", "same collapse outcome": f"{sum(outcome)} / {n}",
                      "same first family": f"{sum(family)} / {n}",
                      "reward Pearson (old)": ", ".join("–" if r is None else f"{r:.2f}" for r in rs),
-                     "verdict": "met" if ok and n > 1 else "MISS" if not ok else "n/a (1 seed: no band)"})
+                     "verdict": verdict})
     return rows
 
 
@@ -174,5 +175,5 @@ def noise_floor_rows(cfg: dict, series: dict, seeds, thresholds: dict) -> list[d
                 rows.append({"model": model, "seed": s, "statistic": stat, "healthy std": std,
                              "faulted shift (mean, after onset)": shift,
                              "shift / std": shift / std if std else None,
-                             "calibrated threshold": thresholds.get(stat)})
+                             "calibrated z threshold": thresholds.get(stat)})
     return rows

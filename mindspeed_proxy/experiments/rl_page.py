@@ -45,13 +45,13 @@ def cost_rows(results: list) -> list[dict]:
 
 
 def calibration_text(name: str, cal: dict) -> str:
-    """One calibration's summary lines."""
+    """One calibration's summary line: thresholds, and the statistics left at the base config's detector."""
     if "error" in cal:
         return f"- **{name}** ({cal['runs']} runs): calibration FAILED: {cal['error']}\n"
     ths = ", ".join(f"{k} {v['threshold']:.3g} ({v['tail']})" for k, v in cal["thresholds"].items()) or "none"
-    unc = "; ".join(f"{k}: {v}" for k, v in cal["uncalibrated"].items())
+    unc = ", ".join(f"{k} ({'all scores equal' if 'no spread' in v else v})" for k, v in cal["uncalibrated"].items())
     return (f"- **{name}** ({cal['runs']} healthy tuning runs): {ths}" +
-            (f". Kept the base config's detector (no threshold from these runs): {unc}" if unc else "") + "\n")
+            (f". Left at the base config's detector (no threshold from these runs): {unc}" if unc else "") + "\n")
 
 
 def markdown(cfg: dict, ctx: dict) -> str:
@@ -84,6 +84,9 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "run's recorded `monitor.jsonl` with that calibrated config; the alerts the runs raised online (with "
         f"`examples/configs/{cfg['monitor_config']}`) are not the reported ones. Only held-out seeds are in the "
         "tables. Every miss is reported as a miss.\n\n",
+        "Thresholds (z, or the CUSUM's h) per statistic; `gumbel`: extrapolated from a Gumbel fit to the tuning "
+        "runs' maximum scores, no distribution-free guarantee (an order statistic needs ≥ S/q − 1 tuning runs, q = "
+        "R × run length / 1000, S statistics):\n\n",
         "".join(calibration_text(k, v) for k, v in ctx["calibrations"].items()), "\n",
         "".join(f"- {note}\n" for note in extra.get("notes", [])) + ("\n" if extra.get("notes") else ""),
         "## Detection before the reward collapse (held-out seeds)\n\n",

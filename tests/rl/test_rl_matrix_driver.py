@@ -31,7 +31,7 @@ def matrix(tmp_path_factory):
     cfg = yaml.safe_load((ROOT / "examples/configs/rl_fault_matrix.yaml").read_text())
     cfg.update(task_args=["--rl-task", "reverse", *TINY], grpo_args=GRPO, tuning_seeds=[1], heldout_seeds=[2],
                sft_iters=12, warmup_rl_iters=2, run_iters=12, onset=8, monitor_config="monitor.yaml",
-               original={"num_experts": 4, "expert_parallel": 1, "ranks": 1}, e4_eval_prompts=0,
+               original={"num_experts": 8, "expert_parallel": 1, "ranks": 1}, e4_eval_prompts=0,
                faults={"none": None, "lr-spike": "lr-spike:start={onset},x=100"}, r3_controls=[])
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, str(ROOT / "examples/experiments/rl_fault_matrix.py"), "--config", str(tmp / "cfg.yaml"),
