@@ -113,8 +113,44 @@ def analyse_all(cfg: dict, work) -> dict:
             "results": list(stages.values()), "stages": stages}
 
 
+def trim_layers(family: str, layers: dict, tested: set) -> dict:
+    """A sample's `layers` keeping only the statistics in `tested` (the monitor's metric names)."""
+    out = {}
+    for key, rec in layers.items():
+        if not isinstance(rec, dict):
+            continue
+        if family in ("router", "rl"):
+            out[key] = {m: v for m, v in rec.items() if m in tested}
+        elif family == "update-spectral":
+            out[key] = {slot: {st: v for st, v in stats.items() if f"{slot}/{st}" in tested}
+                        for slot, stats in rec.items() if any(f"{slot}/{st}" in tested for st in stats)}
+        else:
+            out[key] = {term: {"mean": {st: v for st, v in body.get("mean", {}).items() if f"{term}/{st}" in tested}}
+                        for term, body in rec.items() if isinstance(body, dict)}
+    return out
+
+
+def trimmed_monitor(path) -> str:
+    """monitor.jsonl with every sample cut to the statistics its recorded config tests (what replay reads)."""
+    from mindspeed_proxy.monitor.config import MonitorConfig
+    from mindspeed_proxy.report.replay import per_layer_metrics
+
+    lines, config = [], None
+    for line in open(path, encoding="utf-8"):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("type") == "config":
+            config = MonitorConfig.from_dict(rec["config"])
+        elif rec.get("type") == "sample" and config is not None and rec.get("family"):
+            tested = set(config.tested_metrics(rec["family"], per_layer_metrics(rec["family"], rec["layers"])))
+            rec = {**rec, "layers": trim_layers(rec["family"], rec["layers"], tested)}
+        lines.append(json.dumps(rec) + "\n")
+    return "".join(lines)
+
+
 def export_raw(stages: dict, out_dir) -> int:
-    """Gzip every matrix run's metrics.jsonl and monitor.jsonl to out_dir/<seed>/<run>/; total bytes written."""
+    """Gzip every matrix run's metrics.jsonl and trimmed monitor.jsonl to out_dir/<seed>/<run>/; bytes written."""
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     total = 0
@@ -126,7 +162,8 @@ def export_raw(stages: dict, out_dir) -> int:
                 continue
             dst = out_dir / str(seed) / name / (src.name + ".gz")
             dst.parent.mkdir(parents=True, exist_ok=True)
-            with open(src, "rb") as fin, gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as fout:
-                shutil.copyfileobj(fin, fout)
+            text = trimmed_monitor(src) if src.name == "monitor.jsonl" else src.read_text(encoding="utf-8")
+            with gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as fout:
+                fout.write(text.encode("utf-8"))
             total += dst.stat().st_size
     return total
