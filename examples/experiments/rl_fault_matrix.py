@@ -79,7 +79,13 @@ def run_seeds(cfg, work, seeds, reuse, progress) -> None:
         cpu += seed_cpu
         progress(f"seed {seed}: {sum(r.wall_s for r in m.results) / 60:.1f} min wall, {seed_cpu / 60:.1f} CPU min "
                  "in its stages (reused ones count their recorded cost)")
-    progress(f"this sitting: {(time.time() - t0) / 60:.1f} min wall; recorded stages {cpu / 60:.1f} CPU min")
+    wall = time.time() - t0
+    progress(f"this sitting: {wall / 60:.1f} min wall; recorded stages {cpu / 60:.1f} CPU min")
+    log = os.path.join(work, "sittings.json")
+    sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
+    sittings.append({"seeds": seeds, "reuse": reuse, "wall_s": wall, "stages_cpu_s": cpu, "ended": time.time()})
+    with open(log, "w", encoding="utf-8") as fh:
+        json.dump(sittings, fh, indent=1)
 
 
 def main(argv=None) -> int:
@@ -106,8 +112,11 @@ def main(argv=None) -> int:
     results = ctx["results"]
     command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py --reuse" + \
         (f" --faults {a.faults}" if a.faults else "")
+    log = os.path.join(work, "sittings.json")
+    sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
     ctx["extra"] = {"command": command, "wall_min": sum(r.wall_s for r in results) / 60,
-                    "cpu_min": sum(r.cpu_s for r in results) / 60, "cores": os.cpu_count()}
+                    "cpu_min": sum(r.cpu_s for r in results) / 60, "cores": os.cpu_count(),
+                    "sittings_min": [round(x["wall_s"] / 60, 1) for x in sittings]}
     page = markdown(cfg, ctx)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as fh:

@@ -66,8 +66,9 @@ def markdown(cfg: dict, ctx: dict) -> str:
     o, p = cfg["original"], cfg["proxy"]
     parts = [
         "# RL fault matrix (GRPO): original vs proxy, held-out seeds\n\n",
-        f"Regenerate: `{extra['command']}` (this page's runs: {extra['wall_min']:.1f} min wall, "
-        f"{extra['cpu_min']:.1f} CPU min, summed over their sittings, on {extra['cores']} cores; settings "
+        f"Regenerate: `{extra['command']}` (sittings of {', '.join(map(str, extra.get('sittings_min', [])))} min "
+        f"wall on {extra['cores']} cores; the recorded stages: {extra['cpu_min']:.1f} CPU min, "
+        f"{extra['wall_min']:.1f} min of stage wall time, concurrent proxy runs each counted; settings "
         "`examples/configs/rl_fault_matrix.yaml`; raw `metrics.jsonl` and `monitor.jsonl` of every run, gzipped, "
         "under `docs/results/rl_fault_matrix/<seed>/<run>/`).\n\n",
         f"Per seed (tuning seeds {cfg['tuning_seeds']}, held-out seeds {cfg['heldout_seeds']}; the seed is `--seed` "

@@ -88,5 +88,7 @@ def test_reuse_skips_completed_stages_and_reruns_an_incomplete_one(matrix):
     assert ran == [("2", "proxy_lr-spike")] and len(reused) == 11
     tables = subprocess.run([*cmd, "--tables-only", "--seeds", "2"], capture_output=True, text=True, timeout=600)
     assert tables.returncode == 0 and "reusing" not in tables.stdout and "s wall," not in tables.stdout
+    sittings = json.loads((tmp / "work/sittings.json").read_text())  # the two that ran stages, not --tables-only
+    assert [x["seeds"] for x in sittings] == [[1, 2], [1, 2]] and all(x["wall_s"] > 0 for x in sittings)
     bad = subprocess.run([*cmd, "--seeds", "9"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--seeds: [9] not in" in bad.stderr
