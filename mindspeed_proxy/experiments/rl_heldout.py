@@ -59,6 +59,8 @@ def detection_rows(cfg: dict, data: dict, seeds) -> list[dict]:
             rows.append({"fault": fault, "model": model, "runs": len(recs),
                          "detected / collapsed": f"{det['detected']} / {det['collapsed']}",
                          "lead (steps)": spread(leads), "lead / (collapse − onset)": spread(ratios),
+                         "stopped by the trainer": ", ".join(f"seed {s} at {d['stopped']}" for s, d in recs
+                                                             if d.get("stopped")) or "none",
                          "first family right (E2)": f"{right} / {len(alerted)}",
                          "expected": ", ".join(expected), "misses": "; ".join(misses) or "none"})
     return rows

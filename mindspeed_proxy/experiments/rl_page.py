@@ -18,8 +18,8 @@ def run_rows(cfg: dict, data: dict, seeds) -> list[dict]:
                     lead = H.lead_of(d)
                     rows.append({"seed": s, "fault": fault + (" + R3" if suffix else ""), "model": model,
                                  "first alert from onset": _label(d["first"]), "alerts before onset": d["early_alerts"],
-                                 "collapse": ("stopped " if d["stopped"] else "") + str(d["collapse"])
-                                 if d["collapse"] is not None else None, "lead": lead,
+                                 "collapse": d["collapse"], "lead": lead,
+                                 "stopped at": d["stopped"],
                                  "families": ", ".join(f"{f} {t}" for f, t in d["families"].items()) or "none",
                                  "exit": d["result"].returncode})
     return rows
@@ -78,7 +78,8 @@ def markdown(cfg: dict, ctx: dict) -> str:
         f"{p['num_experts']} experts at EP={p['expert_parallel']} ({p['ranks']} rank); each run {cfg['run_iters']} "
         f"GRPO steps from it, faults from step {cfg['onset']}, monitor on and recording its samples. Reward "
         f"collapse: the {cfg['collapse']['window']}-step mean reward below {cfg['collapse']['factor']} × its mean "
-        "before the onset; a run stopped by the trainer's non-finite check collapses at the step it stopped at.\n\n",
+        "before the onset. A run the trainer stops at its first non-finite step (its default "
+        "`--check-for-nan-in-loss-and-grad`, grad-overflow) is listed as stopped, not as a collapse.\n\n",
         "**Protocol.** Thresholds come from `calibrate` (docs/monitor.md) on the healthy runs (original and proxy) "
         f"of the tuning seeds only, at R = {rate:g} runs with a false alarm per 1000 steps, form "
         f"`{cfg['calibrate_form']}`. Every alert on this page is the **replay** (`mindspeed-proxy replay`) of the "

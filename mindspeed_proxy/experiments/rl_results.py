@@ -12,6 +12,7 @@ from mindspeed_proxy.experiments.matrix import RunResult, fault_onset
 from mindspeed_proxy.experiments.rl_calibration import replayed_alerts, write_calibration
 from mindspeed_proxy.experiments.rl_tables import run_data
 
+NONFINITE_STOP = "NaN or inf in the loss or the gradients"  # mindspeed_proxy.rl.train's NonFiniteStep message
 SOURCES = {"all": ("original", "proxy"), "original": ("original",), "proxy": ("proxy",)}
 
 
@@ -55,16 +56,9 @@ def calibrate_all(cfg: dict, work, stages: dict) -> dict:
 def record(cfg: dict, r: RunResult, config_path) -> dict:
     """A run's analysis record with the alerts `config_path` replays (online alerts when None)."""
     alerts = replayed_alerts(r.run_dir, config_path) if config_path else None
-    stopped = bool(r.returncode) and len([1 for _ in _steps(r.run_dir)]) < r.iters
+    log = Path(r.run_dir) / "run.log"
+    stopped = bool(r.returncode) and log.is_file() and NONFINITE_STOP in log.read_text(errors="replace")
     return {**run_data(r.run_dir, fault_onset(r.spec), cfg["collapse"], alerts=alerts, stopped=stopped), "result": r}
-
-
-def _steps(run_dir):
-    path = Path(run_dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in open(path, encoding="utf-8"):
-            if '"type": "step"' in line:
-                yield line
 
 
 def attention_series(run_dir, config) -> dict:

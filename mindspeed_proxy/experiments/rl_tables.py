@@ -57,7 +57,7 @@ def pearson(a: list[float], b: list[float]) -> Optional[float]:
 def run_data(run_dir, onset: Optional[int], collapse: dict, alerts: Optional[list] = None,
              stopped: bool = False) -> dict:
     """Reward curve, collapse step and alerts of one run directory (`alerts`: replayed ones instead of the
-    run's online alerts); a run that `stopped` early (non-finite step) collapses at the step it stopped at."""
+    run's online alerts); `stopped`: the run ended early (the trainer's non-finite check), at the step recorded."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     steps = [r for r in read_jsonl(metrics) if r.get("type") == "step"] if metrics.is_file() else []
@@ -70,10 +70,8 @@ def run_data(run_dir, onset: Optional[int], collapse: dict, alerts: Optional[lis
     families = {}
     for a in sorted(after, key=lambda a: a["step"]):
         families.setdefault(a["family"], a["step"])
-    fell = collapse_step(rewards, onset, **collapse)
-    if stopped and fell is None:
-        fell = max(rewards, default=0) + 1
-    return {"rewards": rewards, "collapse": fell, "alert_list": alerts, "stopped": stopped,
+    return {"rewards": rewards, "collapse": collapse_step(rewards, onset, **collapse), "alert_list": alerts,
+            "stopped": max(rewards, default=0) + 1 if stopped else None,
             "onset": onset, "alerts": len(alerts), "early_alerts": len(alerts) - len(after), "first": first,
             "families": families,
             "routing_alerts": sum(a["mechanism"].startswith(ROUTING) for a in after),

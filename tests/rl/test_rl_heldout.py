@@ -10,7 +10,7 @@ def rec(rewards, collapse, first_step=None, family="rl", onset=20, alerts=None):
     first = None if first_step is None else {"step": first_step, "family": family}
     n = alerts if alerts is not None else (0 if first is None else 1)
     return {"rewards": rewards, "collapse": collapse, "first": first, "onset": onset, "alerts": n,
-            "stopped": False, "early_alerts": 0, "families": {}, "result": None}
+            "stopped": None, "early_alerts": 0, "families": {}, "result": None}
 
 
 def test_lead_ratio_and_detection_rate_by_hand():
@@ -57,8 +57,9 @@ def test_detection_rows_name_every_miss_and_the_label():
     cfg = {"faults": {"none": None, "lr-spike": "x"}, "expected_families": {"lr-spike": ["update-spectral"]}}
     data = {(3, "original_lr-spike"): rec({}, 30, 22, family="update-spectral"),
             (4, "original_lr-spike"): rec({}, 40, 25, family="rl"),
-            (5, "original_lr-spike"): rec({}, 35, None)}
-    row = H.detection_rows(cfg, data, [3, 4, 5])[0]
+            (5, "original_lr-spike"): rec({}, 35, None), (6, "original_lr-spike"): {**rec({}, None), "stopped": 21}}
+    row = H.detection_rows(cfg, data, [3, 4, 5, 6])[0]
+    assert row["runs"] == 4 and row["stopped by the trainer"] == "seed 6 at 21"
     assert row["detected / collapsed"] == "2 / 3" and row["first family right (E2)"] == "1 / 2"
     assert row["lead (steps)"] == "11.5 [8, 15]"                 # 30 - 22, 40 - 25
     assert row["lead / (collapse − onset)"] == "0.78 [0.75, 0.80]"  # 8 / (30 - 20), 15 / (40 - 20): median 0.775
