@@ -66,11 +66,13 @@ def markdown(cfg: dict, ctx: dict) -> str:
     o, p = cfg["original"], cfg["proxy"]
     parts = [
         "# RL fault matrix (GRPO): original vs proxy, held-out seeds\n\n",
-        f"Regenerate: `{extra['command']}` (sittings of {', '.join(map(str, extra.get('sittings_min', [])))} min "
-        f"wall on {extra['cores']} cores; the recorded stages: {extra['cpu_min']:.1f} CPU min, "
+        f"Regenerate: `{extra['command']}` (sittings of "
+        f"{', '.join(map(str, extra.get('sittings_min') or ['(not recorded)']))} min wall on {extra['cores']} "
+        f"cores; the recorded stages: {extra['cpu_min']:.1f} CPU min, "
         f"{extra['wall_min']:.1f} min of stage wall time, concurrent proxy runs each counted; settings "
         "`examples/configs/rl_fault_matrix.yaml`; raw `metrics.jsonl` and `monitor.jsonl` of every run, gzipped, "
-        "under `docs/results/rl_fault_matrix/<seed>/<run>/`).\n\n",
+        "under `docs/results/rl_fault_matrix/<seed>/<run>/`, the monitor's samples cut to the statistics its "
+        "detectors test: what `replay` reads, giving the same alerts).\n\n",
         f"Per seed (tuning seeds {cfg['tuning_seeds']}, held-out seeds {cfg['heldout_seeds']}; the seed is `--seed` "
         f"of every process: SFT initialisation, prompts, sampling, the random conversion): SFT "
         f"({cfg['sft_iters']} steps) + GRPO warm-up ({cfg['warmup_rl_iters']} steps) of the original "
