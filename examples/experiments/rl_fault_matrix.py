@@ -1,10 +1,14 @@
-"""The RL fault matrix: faults × {original, proxy} in GRPO, with E1–E4 and cost, written to docs/results.
+"""The RL fault matrix over seeds: faults × {original, proxy} in GRPO, thresholds calibrated on tuning seeds,
+held-out tables from the replayed alerts, written to docs/results.
 
     OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py [--work-dir runs/rl_fault_matrix]
-        [--config examples/configs/rl_fault_matrix.yaml] [--out docs/results/rl_fault_matrix.md] [--faults a,b]
+        [--config examples/configs/rl_fault_matrix.yaml] [--out docs/results/rl_fault_matrix.md]
+        [--seeds 3,4] [--faults a,b] [--reuse] [--tables-only]
 
-Runs one process tree at a time (2 cores): SFT + GRPO warm-up, three conversions, every (fault, model) run,
-the R3 controls, the E4 proxies; then the tables (mindspeed_proxy/experiments/rl_tables.py).
+Per seed, one process tree at a time (2 cores): SFT + GRPO warm-up, conversion, then the tuning seeds' healthy
+runs or the held-out seeds' full matrix (R3 controls; E4 on the first held-out seed). With --reuse every stage
+already completed with the same command is skipped, so a killed or partial matrix resumes where it stopped.
+Then, from everything recorded in --work-dir: `calibrate`, replay, tables (mindspeed_proxy/experiments/rl_*.py).
 """
 from __future__ import annotations
 
@@ -18,21 +22,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 
-def main(argv=None) -> int:
-    """Warm-up, convert, runs, tables."""
+def parse(argv):
+    """The driver's arguments."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "rl_fault_matrix"))
     p.add_argument("--config", default=os.path.join(ROOT, "examples", "configs", "rl_fault_matrix.yaml"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "rl_fault_matrix.md"))
+    p.add_argument("--raw-dir", default=None, help="gzipped raw files (default: next to --out, named as it)")
     p.add_argument("--faults", default=None, help="comma-separated subset of the config's faults")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the page from the runs recorded in --work-dir (results.json), running nothing")
-    a = p.parse_args(argv)
-    from mindspeed_proxy.experiments.matrix import Progress
-    from mindspeed_proxy.experiments.rl_matrix import RLMatrix, load_rl_config
-    from mindspeed_proxy.experiments.rl_tables import analyse, markdown
+    p.add_argument("--seeds", default=None, help="comma-separated subset of the config's tuning + held-out seeds")
+    p.add_argument("--reuse", action="store_true", help="skip every stage completed with the same command")
+    p.add_argument("--tables-only", action="store_true", help="rewrite the page from --work-dir, running nothing")
+    return p, p.parse_args(argv)
 
-    cfg = load_rl_config(a.config)
+
+def select(p, a, cfg) -> list[int]:
+    """Apply --faults to cfg; the seeds to run (argparse error on an unknown one)."""
     if a.faults:
         wanted = a.faults.split(",")
         bad = [f for f in wanted if f not in cfg["faults"]]
@@ -40,43 +45,91 @@ def main(argv=None) -> int:
             p.error(f"--faults: unknown {bad} (known: {', '.join(cfg['faults'])})")
         cfg["faults"] = {k: v for k, v in cfg["faults"].items() if k in wanted or k == "none"}
         cfg["r3_controls"] = [f for f in cfg["r3_controls"] if f in cfg["faults"]]
-    t0 = time.time()
-    progress = Progress()
-    m = RLMatrix(cfg, a.work_dir, ROOT, progress)
-    if a.tables_only:
-        from mindspeed_proxy.experiments.matrix import RunResult
+    known = [*cfg["tuning_seeds"], *cfg["heldout_seeds"]]
+    if not a.seeds:
+        return known
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {a.seeds!r}: comma-separated integers expected")
+    bad = [s for s in seeds if s not in known]
+    if bad:
+        p.error(f"--seeds: {bad} not in the config's tuning_seeds {cfg['tuning_seeds']} or heldout_seeds "
+                f"{cfg['heldout_seeds']}")
+    return seeds
 
-        saved = json.load(open(os.path.join(m.work, "results.json"), encoding="utf-8"))
-        results = [RunResult(**v["result"]) for v in saved["runs"].values()]
-        page = markdown(cfg, analyse(cfg, results), saved["e4"], saved["extra"])
-        open(a.out, "w", encoding="utf-8").write(page)
-        print(page)
-        return 0
-    progress(f"RL fault matrix: {len(cfg['faults'])} faults x 2 models + {len(cfg['r3_controls'])} R3 controls; "
-             f"work dir {m.work}")
-    m.warmup()
-    m.convert()
-    results = []
-    for fault in cfg["faults"]:
-        for model in ("original", "proxy"):
-            results.append(m.run(fault, model))
-            if fault in cfg["r3_controls"]:
-                results.append(m.run(fault, model, r3=True))
-    e4 = m.e4()
-    data = analyse(cfg, results)
-    command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py" + \
+
+def run_seeds(cfg, work, seeds, reuse, progress) -> None:
+    """Every stage of every seed in `seeds`; prints each seed's and the sitting's wall and CPU totals."""
+    from mindspeed_proxy.experiments.rl_matrix import RLMatrix
+    from mindspeed_proxy.experiments.rl_results import seed_dir
+
+    t0, cpu = time.time(), 0.0
+    for seed in seeds:
+        m = RLMatrix(cfg, seed_dir(work, seed), ROOT, progress, seed=seed, reuse=reuse)
+        m.warmup()
+        m.convert()
+        if seed in cfg["tuning_seeds"]:
+            m.tuning_runs()
+        else:
+            m.heldout_runs(cfg["faults"], slots=cfg.get("slots", 1))
+            if seed == cfg["heldout_seeds"][0] and cfg["e4_eval_prompts"]:
+                (m.work / "e4.json").write_text(json.dumps(m.e4()))
+        seed_cpu = sum(r.cpu_s for r in m.results)
+        cpu += seed_cpu
+        progress(f"seed {seed}: {sum(r.wall_s for r in m.results) / 60:.1f} min wall, {seed_cpu / 60:.1f} CPU min "
+                 "in its stages (reused ones count their recorded cost)")
+    wall = time.time() - t0
+    progress(f"this sitting: {wall / 60:.1f} min wall; recorded stages {cpu / 60:.1f} CPU min")
+    log = os.path.join(work, "sittings.json")
+    sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
+    sittings.append({"seeds": seeds, "reuse": reuse, "wall_s": wall, "stages_cpu_s": cpu, "ended": time.time()})
+    with open(log, "w", encoding="utf-8") as fh:
+        json.dump(sittings, fh, indent=1)
+
+
+def main(argv=None) -> int:
+    """Runs, then calibration, replay, tables and raw files."""
+    p, a = parse(argv)
+    from mindspeed_proxy.experiments.matrix import Progress
+    from mindspeed_proxy.experiments.rl_matrix import load_rl_config
+    from mindspeed_proxy.experiments.rl_page import markdown
+    from mindspeed_proxy.experiments.rl_results import analyse_all, export_raw
+
+    try:
+        cfg = load_rl_config(a.config)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"rl_fault_matrix.py: error: {exc}", file=sys.stderr)
+        return 2
+    seeds = select(p, a, cfg)
+    progress = Progress()
+    work = os.path.abspath(a.work_dir)
+    if not a.tables_only:
+        progress(f"RL fault matrix: seeds {seeds}; {len(cfg['faults'])} faults x 2 models + "
+                 f"{len(cfg['r3_controls'])} R3 controls per held-out seed; work dir {work}")
+        run_seeds(cfg, work, seeds, a.reuse, progress)
+    ctx = analyse_all(cfg, work)
+    results = ctx["results"]
+    command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py --reuse" + \
         (f" --faults {a.faults}" if a.faults else "")
-    extra = {"command": command, "wall_min": (time.time() - t0) / 60, "cores": os.cpu_count()}
-    page = markdown(cfg, data, e4, extra)
+    log = os.path.join(work, "sittings.json")
+    sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
+    ctx["extra"] = {"command": command, "wall_min": sum(r.wall_s for r in results) / 60,
+                    "cpu_min": sum(r.cpu_s for r in results) / 60, "cores": os.cpu_count(),
+                    "sittings_min": [round(x["wall_s"] / 60, 1) for x in sittings]}
+    page = markdown(cfg, ctx)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as fh:
         fh.write(page)
-    with open(os.path.join(m.work, "results.json"), "w", encoding="utf-8") as fh:
-        json.dump({"e4": e4, "extra": extra, "runs": {k: {**{x: y for x, y in v.items() if x != "result"},
-                                          "result": v["result"].to_dict()} for k, v in data.items()}},
+    raw = a.raw_dir or os.path.splitext(os.path.abspath(a.out))[0]
+    size = export_raw(ctx["stages"], raw)
+    with open(os.path.join(work, "results.json"), "w", encoding="utf-8") as fh:
+        json.dump({"extra": ctx["extra"], "calibrations": ctx["calibrations"], "e4": ctx["e4"],
+                   "stages": {f"{s}/{n}": r.to_dict() for (s, n), r in sorted(ctx["stages"].items())}},
                   fh, default=str, indent=1)
     print(page)
-    progress(f"written {a.out}")
+    progress(f"written {a.out}; raw files {raw} ({size / 1e6:.2f} MB); recorded stages: "
+             f"{ctx['extra']['wall_min']:.1f} min wall, {ctx['extra']['cpu_min']:.1f} CPU min")
     return 0
 
 

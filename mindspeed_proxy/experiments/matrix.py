@@ -253,26 +253,32 @@ class Matrix:
     def run_grid(self, pairs: list[tuple[str, str]], slots: int = 1) -> list[RunResult]:
         """Run every (model, fault) pair, in order, as many at once as fit in `slots` cores (a run takes one
         core per rank, one rank per core); results in the order of `pairs`."""
-        if slots <= 1:
-            return [self.run_one(m, f) for m, f in pairs]
-        turn, free, cond = [0], [slots], threading.Condition()
+        return run_in_slots([lambda m=m, f=f: self.run_one(m, f) for m, f in pairs],
+                            [min(self.cfg[m]["ranks"], slots) for m, _ in pairs], slots)
 
-        def one(index_pair):
-            index, (model, fault) = index_pair
-            need = min(self.cfg[model]["ranks"], slots)
-            with cond:  # first come first served: a run waits for its turn, then for its cores
-                cond.wait_for(lambda: turn[0] == index and free[0] >= need)
-                turn[0], free[0] = turn[0] + 1, free[0] - need
+
+def run_in_slots(jobs: list, needs: list[int], slots: int) -> list:
+    """Call every job, first come first served, as many at once as their `needs` (cores) fit in `slots`;
+    results in the order of `jobs`."""
+    if slots <= 1:
+        return [job() for job in jobs]
+    turn, free, cond = [0], [slots], threading.Condition()
+
+    def one(index):
+        need = min(needs[index], slots)
+        with cond:  # a job waits for its turn, then for its cores
+            cond.wait_for(lambda: turn[0] == index and free[0] >= need)
+            turn[0], free[0] = turn[0] + 1, free[0] - need
+            cond.notify_all()
+        try:
+            return jobs[index]()
+        finally:
+            with cond:
+                free[0] += need
                 cond.notify_all()
-            try:
-                return self.run_one(model, fault)
-            finally:
-                with cond:
-                    free[0] += need
-                    cond.notify_all()
 
-        with ThreadPoolExecutor(len(pairs)) as pool:
-            return list(pool.map(one, enumerate(pairs)))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, range(len(jobs))))
 
 
 def _last_step(log_dir) -> dict:

@@ -1,22 +1,29 @@
-"""The RL fault matrix's runs: SFT + GRPO warm-up of the original, conversion to proxies (clustered, random,
-most-used), one GRPO run per (fault, model) and the R3 controls, each its own process tree (CPU seconds
-from `os.wait4`). Settings: examples/configs/rl_fault_matrix.yaml.
+"""The RL fault matrix's runs for one seed: SFT + GRPO warm-up of the original, conversion to proxies (clustered,
+random, most-used), one GRPO run per (fault, model) and the R3 controls, each its own process tree (CPU seconds
+from `os.wait4`). A seed sets `--seed` of every process (SFT initialisation, prompts, sampling, conversion).
+
+Every finished stage writes `<stage>.done.json` (its result and the hash of its command); with `reuse` a stage
+whose record holds the same hash is skipped, and a stage without a record (killed half-way) runs again.
+Settings: examples/configs/rl_fault_matrix.yaml.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
-from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch
+from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch, run_in_slots
 from mindspeed_proxy.testing import free_port
 
 MODELS = ("original", "proxy")
 SELECTIONS = ("cluster", "random", "usage")  # convert_to_proxy.py --selection
+SEED_LISTS = ("tuning_seeds", "heldout_seeds")
 
 
 def load_rl_config(path) -> dict:
-    """The RL matrix YAML, with each fault spec's {onset} filled in."""
+    """The RL matrix YAML, with each fault spec's {onset} filled in (ValueError names a bad entry)."""
     import yaml
 
     path = Path(path).resolve()
@@ -25,6 +32,16 @@ def load_rl_config(path) -> dict:
     bad = [f for f in cfg["r3_controls"] if f not in cfg["faults"]]
     if bad:
         raise ValueError(f"{path}: r3_controls name unknown faults {bad}")
+    if "--seed" in cfg["task_args"]:
+        raise ValueError(f"{path}: task_args must not set --seed (the matrix sets it per seed)")
+    missing = [f for f in cfg["faults"] if f != "none" and f not in cfg.get("expected_families", {})]
+    if missing:
+        raise ValueError(f"{path}: expected_families lacks faults {missing}")
+    for key in SEED_LISTS:
+        if not cfg.get(key) or not all(isinstance(s, int) for s in cfg[key]):
+            raise ValueError(f"{path}: {key} must be a non-empty list of integers")
+    if set(cfg["tuning_seeds"]) & set(cfg["heldout_seeds"]):
+        raise ValueError(f"{path}: tuning_seeds and heldout_seeds overlap")
     cfg["config_path"] = str(path)
     return cfg
 
@@ -37,12 +54,30 @@ def command(ranks: int, module: str, args: list[str]) -> list[str]:
             "--master-port", str(free_port()), "-m", module, *args]
 
 
-class RLMatrix:
-    """Builds and runs the RL experiment of a loaded config under `work_dir`."""
+def command_hash(cmd: list[str]) -> str:
+    """SHA-256 of a command without its interpreter and master port, plus the bytes of every file it names
+    that is a YAML config, so that an edited monitor config is a different run (outputs are not hashed)."""
+    parts, skip = [], False
+    for i, arg in enumerate(cmd):
+        if skip or i == 0:
+            skip = False
+            continue
+        if arg == "--master-port":
+            skip = True
+            continue
+        parts.append(arg)
+        if arg.endswith((".yaml", ".yml")) and Path(arg).is_file():
+            parts.append(hashlib.sha256(Path(arg).read_bytes()).hexdigest())
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
-    def __init__(self, cfg: dict, work_dir, root, progress: Progress | None = None):
+
+class RLMatrix:
+    """Builds and runs the RL experiment of a loaded config for one seed under `work_dir`."""
+
+    def __init__(self, cfg: dict, work_dir, root, progress: Progress | None = None, seed: int = 1,
+                 reuse: bool = False):
         self.cfg, self.work, self.root = cfg, Path(work_dir).resolve(), Path(root).resolve()
-        self.progress = progress or Progress()
+        self.progress, self.seed, self.reuse = progress or Progress(), seed, reuse
         self.sft = self.work / "sft"
         self.warm = self.work / "warmup"
         self.usage = self.work / "warmup_usage.json"
@@ -52,60 +87,78 @@ class RLMatrix:
         """Where the proxy of `selection` is written."""
         return self.work / f"proxy_{selection}"
 
+    def task_args(self) -> list[str]:
+        """The task flags with this matrix's seed."""
+        return [*self.cfg["task_args"], "--seed", str(self.seed)]
+
     def model_args(self, model: str, selection: str = "cluster") -> list[str]:
         """Task, model and load flags of `model` (the original's warm-up or a proxy of it)."""
         m = self.cfg[model]
         ckpt = self.warm if model == "original" else self.proxy_ckpt(selection)
-        return [*self.cfg["task_args"], "--num-experts", str(m["num_experts"]),
+        return [*self.task_args(), "--num-experts", str(m["num_experts"]),
                 "--expert-model-parallel-size", str(m["expert_parallel"]), "--load", str(ckpt)]
 
-    def _launch(self, name: str, model: str, fault: str, spec, ranks: int, module: str, args: list[str],
-                iters: int, run_dir: Path, check: bool = True) -> RunResult:
-        cmd = command(ranks, module, args)
-        rc, cpu, wall = launch(cmd, run_dir / "run.log")
+    def _stage(self, name: str, model: str, fault: str, spec, ranks: int, cmd: list[str], iters: int,
+               run_dir: Path, log: Path, outputs=(), check: bool = True) -> RunResult:
+        """Run `cmd` unless `reuse` finds its completed record; write the record when it ends."""
+        record, digest = Path(str(run_dir) + ".done.json"), command_hash(cmd)
+        if self.reuse and record.is_file():
+            saved = json.loads(record.read_text())
+            if saved.get("hash") == digest:
+                self.progress(f"[seed {self.seed}] {name}: reusing {run_dir}")
+                return RunResult(**saved["result"])
+        record.unlink(missing_ok=True)
+        for path in (run_dir, *outputs):  # a half-written earlier attempt
+            shutil.rmtree(path, ignore_errors=True)
+        rc, cpu, wall = launch(cmd, log)
         result = RunResult(name, model, fault, spec, str(run_dir), ranks, iters, rc, cpu, wall, cmd)
         if rc and check:
-            raise RuntimeError(f"{name}: exit {rc}; see {run_dir / 'run.log'}")
-        self.progress(f"{name}: {wall:.0f} s wall, {cpu:.0f} CPU s" + (f", FAILED (exit {rc})" if rc else ""))
+            raise RuntimeError(f"seed {self.seed} {name}: exit {rc}; see {log}")
+        record.write_text(json.dumps({"hash": digest, "seed": self.seed, "result": result.to_dict()}, default=str))
+        self.progress(f"[seed {self.seed}] {name}: {wall:.0f} s wall, {cpu:.0f} CPU s"
+                      + (f", exit {rc}" if rc else ""))
         return result
+
+    def _launch(self, name, model, fault, spec, ranks, module, args, iters, run_dir, outputs=(), check=True):
+        return self._stage(name, model, fault, spec, ranks, command(ranks, module, args), iters, run_dir,
+                           Path(run_dir) / "run.log", outputs, check)
 
     def warmup(self) -> None:
         """SFT, then GRPO warm-up from it (saved with its expert usage) on the original's layout."""
         c, ranks = self.cfg, self.cfg["original"]["ranks"]
         m = ["--num-experts", str(c["original"]["num_experts"]), "--expert-model-parallel-size",
              str(c["original"]["expert_parallel"])]
-        self._launch("sft", "original", "none", None, ranks, "mindspeed_proxy.rl.sft",
-                     [*c["task_args"], *m, "--train-iters", str(c["sft_iters"]), "--log-interval", "50",
-                      "--save", str(self.sft), "--log-dir", str(self.work / "sft_logs")],
-                     c["sft_iters"], self.work / "sft_logs")
+        self.results.append(self._launch(
+            "sft", "original", "none", None, ranks, "mindspeed_proxy.rl.sft",
+            [*self.task_args(), *m, "--train-iters", str(c["sft_iters"]), "--log-interval", "50",
+             "--save", str(self.sft), "--log-dir", str(self.work / "sft_logs")],
+            c["sft_iters"], self.work / "sft_logs", outputs=(self.sft,)))
         self.results.append(self._launch(
             "warmup", "original", "none", None, ranks, "mindspeed_proxy.rl.train",
-            [*c["task_args"], *m, *c["grpo_args"], "--load", str(self.sft), "--train-iters",
+            [*self.task_args(), *m, *c["grpo_args"], "--load", str(self.sft), "--train-iters",
              str(c["warmup_rl_iters"]), "--save", str(self.warm), "--rl-save-expert-usage", str(self.usage),
-             "--log-dir", str(self.work / "warmup_logs")], c["warmup_rl_iters"], self.work / "warmup_logs"))
+             "--rl-eval-prompts", "0", "--log-dir", str(self.work / "warmup_logs")],
+            c["warmup_rl_iters"], self.work / "warmup_logs", outputs=(self.warm,)))
 
-    def convert(self) -> None:
-        """convert_to_proxy.py of the warm-up: clustered (default), random and most-used selections."""
+    def convert(self, selections=("cluster",)) -> None:
+        """convert_to_proxy.py of the warm-up for each of `selections` (cluster: the matrix's proxy)."""
         k = str(self.cfg["proxy"]["num_experts"])
-        for selection in SELECTIONS:
-            extra = {"cluster": [], "random": ["--selection", "random", "--seed", "1"],
+        for selection in selections:
+            extra = {"cluster": [], "random": ["--selection", "random", "--seed", str(self.seed)],
                      "usage": ["--selection", "usage", "--usage-file", str(self.usage)]}[selection]
             out = self.proxy_ckpt(selection)
             cmd = [sys.executable, str(self.root / "convert_to_proxy.py"), "--load", str(self.warm), "--save",
                    str(out), "--target-expert-parallel-size", str(self.cfg["proxy"]["expert_parallel"]),
                    "--target-num-experts", k, *extra]
-            rc, _, wall = launch(cmd, self.work / f"convert_{selection}.log")
-            if rc:
-                raise RuntimeError(f"convert ({selection}): exit {rc}; see {self.work / f'convert_{selection}.log'}")
-            self.progress(f"convert ({selection}): {wall:.0f} s")
+            self.results.append(self._stage(f"convert_{selection}", "proxy", "none", None, 1, cmd, 0, out,
+                                            self.work / f"convert_{selection}.log"))
 
-    def run(self, fault: str, model: str, r3: bool = False) -> RunResult:
-        """One GRPO run of `model` from the warm-up with `fault` (monitor on; R3 for a control run)."""
+    def run(self, fault: str, model: str, r3: bool = False, evals: int = 0) -> RunResult:
+        """One GRPO run of `model` from the warm-up with `fault` (monitor on, samples recorded; R3 for a control)."""
         c = self.cfg
         spec = c["faults"][fault]
         name = f"{model}_{fault}" + ("_r3" if r3 else "")
         run_dir = self.work / "runs" / name
-        evals = c["e4_eval_prompts"] if fault == "none" and not r3 else 0  # the healthy runs are E4's too
         args = [*self.model_args(model), *c["grpo_args"], "--train-iters", str(c["run_iters"]),
                 "--rl-eval-prompts", str(evals), "--enable-mechanism-monitor", "--log-dir", str(run_dir)]
         if c.get("monitor_config"):
@@ -119,6 +172,22 @@ class RLMatrix:
         self.results.append(result)
         return result
 
+    def tuning_runs(self) -> list[RunResult]:
+        """The healthy runs of a tuning seed (original and proxy), what `calibrate` reads."""
+        return [self.run("none", model) for model in MODELS]  # no evals: E4 reads the first held-out seed
+
+    def heldout_runs(self, faults, slots: int = 1) -> list[RunResult]:
+        """Every (fault, model) run of a held-out seed and the R3 controls of `r3_controls`: the proxy's runs
+        first (one rank each, `slots` of them at once), then the original's."""
+        jobs = []
+        for model in ("proxy", "original"):
+            for fault in faults:
+                evals = self.cfg["e4_eval_prompts"] if fault == "none" else 0
+                jobs.append((model, lambda f=fault, m=model, e=evals: self.run(f, m, evals=e)))
+                if fault in self.cfg["r3_controls"]:
+                    jobs.append((model, lambda f=fault, m=model: self.run(f, m, r3=True)))
+        return run_in_slots([job for _, job in jobs], [self.cfg[m]["ranks"] for m, _ in jobs], slots)
+
     def e4(self) -> dict:
         """Held-out eval reward right after conversion and after `run_iters` healthy steps: the original and the
         clustered proxy from their healthy matrix runs, the random and most-used proxies from runs of their own."""
@@ -126,12 +195,13 @@ class RLMatrix:
         for name, run_dir in (("original", self.work / "runs" / "original_none"),
                               ("cluster", self.work / "runs" / "proxy_none")):
             out[name] = eval_pair(run_dir)
+        self.convert(("random", "usage"))
         for selection in ("random", "usage"):
             run_dir = self.work / "e4" / selection
             args = [*self.model_args("proxy", selection), *c["grpo_args"], "--train-iters", str(c["run_iters"]),
                     "--rl-eval-prompts", str(c["e4_eval_prompts"]), "--log-dir", str(run_dir)]
-            self._launch(f"e4_{selection}", "proxy", "none", None, 1, "mindspeed_proxy.rl.train", args,
-                         c["run_iters"], run_dir)
+            self.results.append(self._launch(f"e4_{selection}", "proxy", "none", None, 1, "mindspeed_proxy.rl.train",
+                                             args, c["run_iters"], run_dir))
             out[selection] = eval_pair(run_dir)
         return out
 
@@ -143,6 +213,9 @@ def eval_pair(run_dir) -> dict:
 
 
 def read_jsonl(path) -> list[dict]:
-    """Every JSON record of a .jsonl file."""
-    with open(path, encoding="utf-8") as fh:
+    """Every JSON record of a .jsonl file (.gz read as gzip)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]

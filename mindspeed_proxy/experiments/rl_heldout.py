@@ -1,0 +1,181 @@
+"""The RL matrix's held-out tables: detection rate, lead, mechanism label, false alarms, the proxy calibrating the
+original, E3 within the original's seed band, and the lowp-attention noise floor. Inputs: per-run records of
+`rl_tables.run_data` keyed by (seed, run name), with the alerts replayed under the calibrated thresholds."""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from mindspeed_proxy.experiments.rl_tables import moving_average, pearson
+
+MODELS = ("original", "proxy")
+
+
+def lead_of(d: dict) -> Optional[int]:
+    """Steps from the first alert at or after the onset to the collapse (None: no collapse or no alert)."""
+    first, collapse = d["first"], d["collapse"]
+    return collapse - first["step"] if first is not None and collapse is not None else None
+
+
+def lead_ratio(lead: int, collapse: int, onset: int) -> Optional[float]:
+    """The lead as a share of the time the fault took to collapse the reward, lead / (collapse − onset)."""
+    span = collapse - onset
+    return lead / span if span > 0 else None
+
+
+def detection(records: list[dict]) -> dict:
+    """Of the runs that collapsed: how many alerted strictly before the collapse (detected / collapsed)."""
+    collapsed = [d for d in records if d["collapse"] is not None]
+    detected = [d for d in collapsed if (lead_of(d) or 0) > 0]
+    return {"collapsed": len(collapsed), "detected": len(detected),
+            "rate": len(detected) / len(collapsed) if collapsed else None}
+
+
+def spread(values: list) -> str:
+    """'median [min, max]' of numbers ('–' when none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    fmt = (lambda v: f"{v:.2f}") if any(isinstance(v, float) for v in values) else str
+    return f"{fmt(statistics.median(values))} [{fmt(min(values))}, {fmt(max(values))}]"
+
+
+def detection_rows(cfg: dict, data: dict, seeds) -> list[dict]:
+    """Per fault and model over `seeds`: detection rate, lead (steps and ratio), label right, misses by seed."""
+    rows = []
+    for fault in [f for f in cfg["faults"] if f != "none"]:
+        expected = cfg["expected_families"][fault]
+        for model in MODELS:
+            recs = [(s, data[(s, f"{model}_{fault}")]) for s in seeds if (s, f"{model}_{fault}") in data]
+            if not recs:
+                continue
+            det = detection([d for _, d in recs])
+            leads = [lead_of(d) for _, d in recs if (lead_of(d) or 0) > 0]
+            ratios = [lead_ratio(lead_of(d), d["collapse"], d["onset"]) for _, d in recs if (lead_of(d) or 0) > 0]
+            alerted = [d for _, d in recs if d["first"] is not None]
+            right = sum(d["first"]["family"] in expected for d in alerted)
+            misses = [f"seed {s}: " + ("alert after collapse" if d["first"] else "no alert")
+                      for s, d in recs if d["collapse"] is not None and not (lead_of(d) or 0) > 0]
+            rows.append({"fault": fault, "model": model, "runs": len(recs),
+                         "detected / collapsed": f"{det['detected']} / {det['collapsed']}",
+                         "lead (steps)": spread(leads), "lead / (collapse − onset)": spread(ratios),
+                         "stopped by the trainer": ", ".join(f"seed {s} at {d['stopped']}" for s, d in recs
+                                                             if d.get("stopped")) or "none",
+                         "first family right (E2)": f"{right} / {len(alerted)}",
+                         "expected": ", ".join(expected), "misses": "; ".join(misses) or "none"})
+    return rows
+
+
+def false_alarm_row(label: str, records: list[dict]) -> dict:
+    """Alerts and alarmed runs per 1000 steps over healthy `records` (every alert of a healthy run is false)."""
+    steps = sum(len(d["rewards"]) for d in records)
+    alerts = sum(d["alerts"] for d in records)
+    alarmed = sum(d["alerts"] > 0 for d in records)
+    per_k = 1000.0 / steps if steps else None
+    return {"runs": label, "count": len(records), "steps": steps, "alerts": alerts,
+            "alerts per 1000 steps": alerts * per_k if per_k else None, "runs alarmed": alarmed,
+            "runs alarmed per 1000 steps": alarmed * per_k if per_k else None}
+
+
+def false_alarm_rows(data: dict, seeds) -> list[dict]:
+    """False alarms of the held-out healthy runs, original and proxy."""
+    return [false_alarm_row(model, [data[(s, f"{model}_none")] for s in seeds if (s, f"{model}_none") in data])
+            for model in MODELS]
+
+
+def transfer_rows(cfg: dict, by_source: dict, seeds) -> list[dict]:
+    """The original's held-out runs under thresholds calibrated on the original's and on the proxy's healthy
+    tuning runs: per fault the detection rate, and the false alarms; `by_source` {source: data}."""
+    rows = []
+    for fault in cfg["faults"]:
+        row = {"fault": fault}
+        for source, data in by_source.items():
+            recs = [data[(s, f"original_{fault}")] for s in seeds if (s, f"original_{fault}") in data]
+            if fault == "none":
+                fa = false_alarm_row(source, recs)
+                row[f"{source}-calibrated"] = (f"{fa['alerts']} alerts / {fa['steps']} steps = "
+                                               f"{fa['alerts per 1000 steps'] or 0:.2f} per 1000 (false alarms)")
+            else:
+                det = detection(recs)
+                row[f"{source}-calibrated"] = f"{det['detected']} / {det['collapsed']} detected"
+        rows.append(row)
+    return rows
+
+
+def curve(d: dict, width: int) -> dict:
+    """The run's `width`-step trailing mean reward per step."""
+    steps = sorted(d["rewards"])
+    return dict(zip(steps, moving_average([d["rewards"][s] for s in steps], width)))
+
+
+def curve_distance(a: dict, b: dict) -> Optional[float]:
+    """Mean absolute difference of two curves over their common steps (None without any)."""
+    common = sorted(set(a) & set(b))
+    return sum(abs(a[s] - b[s]) for s in common) / len(common) if common else None
+
+
+def seed_band(curves: list[dict]) -> Optional[float]:
+    """The largest distance between two seeds' curves (None with fewer than 2)."""
+    dists = [curve_distance(a, b) for i, a in enumerate(curves) for b in curves[i + 1:]]
+    dists = [x for x in dists if x is not None]
+    return max(dists) if dists else None
+
+
+def _family(d: dict) -> Optional[str]:
+    return d["first"]["family"] if d["first"] is not None else None
+
+
+def e3_band_rows(cfg: dict, data: dict, seeds) -> list[dict]:
+    """E3 per fault over `seeds`: proxy curve within the original's seed band, same collapse outcome, same first
+    family, each as k / n seeds, and the old reward Pearson (per seed) alongside."""
+    width, rows = cfg["pearson_smoothing"], []
+    for fault in cfg["faults"]:
+        pairs = [(s, data[(s, f"original_{fault}")], data[(s, f"proxy_{fault}")]) for s in seeds
+                 if (s, f"original_{fault}") in data and (s, f"proxy_{fault}") in data]
+        if not pairs:
+            continue
+        band = seed_band([curve(a, width) for _, a, _ in pairs])
+        dists = [curve_distance(curve(a, width), curve(b, width)) for _, a, b in pairs]
+        within = [band is not None and x is not None and x <= band for x in dists]
+        outcome = [(a["collapse"] is None) == (b["collapse"] is None) for _, a, b in pairs]
+        family = [_family(a) == _family(b) for _, a, b in pairs]
+        rs = []
+        for _, a, b in pairs:
+            steps = sorted(set(a["rewards"]) & set(b["rewards"]))
+            rs.append(pearson(moving_average([a["rewards"][s] for s in steps], width),
+                              moving_average([b["rewards"][s] for s in steps], width)))
+        n = len(pairs)
+        ok = all(within) and all(outcome) and all(family)
+        verdict = "n/a (1 seed: no band)" if n < 2 else "met" if ok else "MISS"
+        rows.append({"fault": fault, "seeds": n, "band": band,
+                     "proxy–original distance": ", ".join("–" if x is None else f"{x:.3f}" for x in dists),
+                     "within band": f"{sum(within)} / {n}", "same collapse outcome": f"{sum(outcome)} / {n}",
+                     "same first family": f"{sum(family)} / {n}",
+                     "reward Pearson (old)": ", ".join("–" if r is None else f"{r:.2f}" for r in rs),
+                     "verdict": verdict})
+    return rows
+
+
+def noise_floor_rows(cfg: dict, series: dict, seeds, thresholds: dict) -> list[dict]:
+    """lowp-attention: per model, seed and attention-spectral statistic, the healthy run's std across samples
+    after the warm-up (noise floor) vs the faulted run's mean shift after the onset over the same steps.
+    `series[(seed, run)]` is {statistic: {step: value}} (layer mean); `thresholds` {statistic: z}."""
+    onset, rows = cfg["onset"], []
+    for model in MODELS:
+        for s in seeds:
+            healthy, faulted = series.get((s, f"{model}_none")), series.get((s, f"{model}_lowp-attention"))
+            if healthy is None or faulted is None:
+                continue
+            for stat in sorted(healthy):
+                h, f = healthy[stat], faulted.get(stat, {})
+                after = sorted(set(h) & set(f))
+                after = [t for t in after if t >= onset]
+                if len(h) < 2 or not after:
+                    continue
+                std = statistics.stdev(h.values())
+                shift = statistics.fmean(f[t] - h[t] for t in after)
+                rows.append({"model": model, "seed": s, "statistic": stat, "healthy std": std,
+                             "faulted shift (mean, after onset)": shift,
+                             "shift / std": shift / std if std else None,
+                             "calibrated z threshold": thresholds.get(stat)})
+    return rows

@@ -1,0 +1,79 @@
+"""The RL matrix's held-out table maths against hand-computed values on made-up records."""
+import pytest
+
+from mindspeed_proxy.experiments import rl_heldout as H
+from mindspeed_proxy.experiments.matrix import RunResult
+from mindspeed_proxy.experiments.rl_matrix import command_hash
+
+
+def rec(rewards, collapse, first_step=None, family="rl", onset=20, alerts=None):
+    first = None if first_step is None else {"step": first_step, "family": family}
+    n = alerts if alerts is not None else (0 if first is None else 1)
+    return {"rewards": rewards, "collapse": collapse, "first": first, "onset": onset, "alerts": n,
+            "stopped": None, "early_alerts": 0, "families": {}, "result": None}
+
+
+def test_lead_ratio_and_detection_rate_by_hand():
+    assert H.lead_ratio(6, 50, 20) == pytest.approx(0.2)  # 6 / (50 - 20)
+    assert H.lead_ratio(3, 20, 20) is None
+    records = [rec({}, 50, 44), rec({}, 40, 40), rec({}, 30, 35), rec({}, None, 25), rec({}, 60, None)]
+    # collapsed: 50, 40, 30, 60 (4); strictly before: only the first (alert 44 < 50); 40 = 40 is not before
+    assert H.detection(records) == {"collapsed": 4, "detected": 1, "rate": 0.25}
+    assert H.lead_of(records[0]) == 6 and H.lead_of(records[2]) == -5 and H.lead_of(records[3]) is None
+    assert H.detection([rec({}, None)]) == {"collapsed": 0, "detected": 0, "rate": None}
+
+
+def test_band_distance_is_the_mean_absolute_difference_over_common_steps():
+    a, b, c = {1: 0.0, 2: 0.5, 3: 1.0}, {1: 0.2, 2: 0.5, 3: 0.4, 4: 9.0}, {2: 0.0, 3: 0.0}
+    assert H.curve_distance(a, b) == pytest.approx((0.2 + 0.0 + 0.6) / 3)
+    assert H.curve_distance(a, c) == pytest.approx((0.5 + 1.0) / 2)
+    assert H.curve_distance(b, c) == pytest.approx((0.5 + 0.4) / 2)
+    assert H.seed_band([a, b, c]) == pytest.approx(0.75)
+    assert H.seed_band([a]) is None and H.curve_distance(a, {7: 1.0}) is None
+
+
+def test_e3_band_rows_count_each_condition_per_seed():
+    cfg = {"faults": {"none": None}, "pearson_smoothing": 1}
+    flat = {s: 0.5 for s in range(1, 11)}
+    data = {(3, "original_none"): rec(flat, None), (4, "original_none"): rec({s: 0.3 for s in flat}, None),
+            (3, "proxy_none"): rec({s: 0.4 for s in flat}, None),             # 0.1 from its original: inside 0.2
+            (4, "proxy_none"): rec({s: 0.0 for s in flat}, 9, first_step=5)}  # 0.3 away, collapsed, alerted
+    row = H.e3_band_rows(cfg, data, [3, 4])[0]
+    assert row["band"] == pytest.approx(0.2)
+    assert row["proxy–original distance"] == "0.100, 0.300"
+    assert (row["within band"], row["same collapse outcome"], row["same first family"]) == ("1 / 2", "1 / 2", "1 / 2")
+    assert row["verdict"] == "MISS"
+
+
+def test_false_alarms_per_1000_steps_and_spread():
+    rows = H.false_alarm_row("original", [rec({s: 0.0 for s in range(100)}, None, alerts=3),
+                                          rec({s: 0.0 for s in range(150)}, None, alerts=0)])
+    assert rows["steps"] == 250 and rows["alerts"] == 3 and rows["runs alarmed"] == 1
+    assert rows["alerts per 1000 steps"] == pytest.approx(12.0) and rows["runs alarmed per 1000 steps"] == 4.0
+    assert H.spread([4, 1, 9]) == "4 [1, 9]" and H.spread([0.5, 0.25]) == "0.38 [0.25, 0.50]" and H.spread([]) == "–"
+
+
+def test_detection_rows_name_every_miss_and_the_label():
+    cfg = {"faults": {"none": None, "lr-spike": "x"}, "expected_families": {"lr-spike": ["update-spectral"]}}
+    data = {(3, "original_lr-spike"): rec({}, 30, 22, family="update-spectral"),
+            (4, "original_lr-spike"): rec({}, 40, 25, family="rl"),
+            (5, "original_lr-spike"): rec({}, 35, None), (6, "original_lr-spike"): {**rec({}, None), "stopped": 21}}
+    row = H.detection_rows(cfg, data, [3, 4, 5, 6])[0]
+    assert row["runs"] == 4 and row["stopped by the trainer"] == "seed 6 at 21"
+    assert row["detected / collapsed"] == "2 / 3" and row["first family right (E2)"] == "1 / 2"
+    assert row["lead (steps)"] == "11.5 [8, 15]"                 # 30 - 22, 40 - 25
+    assert row["lead / (collapse − onset)"] == "0.78 [0.75, 0.80]"  # 8 / (30 - 20), 15 / (40 - 20): median 0.775
+    assert row["misses"] == "seed 5: no alert"
+
+
+def test_command_hash_ignores_the_port_and_sees_config_bytes(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("a: 1\n")
+    base = ["python", "-m", "torch.distributed.run", "--master-port", "1234", "-m", "x", "--cfg", str(cfg)]
+    other_port = [*base[:4], "999", *base[5:]]
+    assert command_hash(base) == command_hash(other_port)
+    before = command_hash(base)
+    cfg.write_text("a: 2\n")
+    assert command_hash(base) != before
+    assert command_hash([*base, "--seed", "3"]) != command_hash([*base, "--seed", "4"])
+    RunResult("n", "original", "none", None, ".", 1, 1, 0, 0.0, 0.0)  # the record type the stages write
