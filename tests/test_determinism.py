@@ -60,10 +60,11 @@ def test_demo_warmup_twice_gives_bit_identical_losses_and_weights(tmp_path):
 
 
 def test_every_launcher_pins_the_same_numerics():
-    """The fault matrix's `env` and the RL demo launch with determinism.PINNED_ENV, one source."""
+    """The fault matrix's `env`, the RL demo and the RL matrix launch with determinism.PINNED_ENV, one source."""
     from mindspeed_proxy.determinism import NUMERIC_ENV, PINNED_ENV
 
     cfg = load_config(str(REPO / "examples" / "configs" / "fault_matrix.yaml"))
     assert cfg["env"] == PINNED_ENV
     assert set(PINNED_ENV) <= set(NUMERIC_ENV)
-    assert "PINNED_ENV" in (REPO / "examples" / "rl_demo.py").read_text(encoding="utf-8")
+    for path in ("examples/rl_demo.py", "mindspeed_proxy/experiments/rl_matrix.py"):
+        assert "PINNED_ENV" in (REPO / path).read_text(encoding="utf-8"), path

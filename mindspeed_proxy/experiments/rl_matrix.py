@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from mindspeed_proxy.determinism import PINNED_ENV
 from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch, run_in_slots
 from mindspeed_proxy.testing import free_port
 
@@ -110,7 +111,7 @@ class RLMatrix:
         record.unlink(missing_ok=True)
         for path in (run_dir, *outputs):  # a half-written earlier attempt
             shutil.rmtree(path, ignore_errors=True)
-        rc, cpu, wall = launch(cmd, log)
+        rc, cpu, wall = launch(cmd, log, PINNED_ENV)  # pinned numerics, as the RL demo (docs/determinism.md)
         result = RunResult(name, model, fault, spec, str(run_dir), ranks, iters, rc, cpu, wall, cmd)
         if rc and check:
             raise RuntimeError(f"seed {self.seed} {name}: exit {rc}; see {log}")
