@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mindspeed_proxy.monitor.calibration import (CalibrationError, form_overrides, statistic_score,
-                                                threshold_from_scores)
+from mindspeed_proxy.monitor.calibration import CalibrationError, calibrate_statistics
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.report.calibrate_cli import (base_configs, calibrated_config, healthy_run, run_series,
                                                   run_steps, write_config)
@@ -16,9 +15,8 @@ from mindspeed_proxy.report.runs import load_run
 def calibrate_runs(run_dirs: list, base_path, rate: float, form: str, tail: str = "auto") -> tuple:
     """`calibrate`'s thresholds on `run_dirs` (healthy) for R = `rate` per 1000 steps in detector form `form`.
 
-    As `mindspeed-proxy calibrate`, except that a statistic whose tuning scores give no threshold (all equal: a
-    Gumbel fit has no spread) keeps the base config's detector and is listed in `uncalibrated` instead of
-    failing the whole config. Returns (MonitorConfig, {statistic: result}, {statistic: reason})."""
+    As `mindspeed-proxy calibrate`: a statistic whose tuning scores give no threshold (all equal: a Gumbel fit
+    has no spread) keeps the base config's detector and is listed in `uncalibrated`. Returns (MonitorConfig, {statistic: result}, {statistic: reason})."""
     runs = [healthy_run(str(p)) for p in run_dirs]
     config = MonitorConfig.from_file(str(base_path))
     series = [run_series(r, config) for r in runs]
@@ -28,16 +26,8 @@ def calibrate_runs(run_dirs: list, base_path, rate: float, form: str, tail: str 
     steps = sum(run_steps(r) for r in runs) / len(runs)
     q_total = rate * steps / 1000.0
     bases = base_configs(config, stats)
-    results, uncalibrated = {}, {}
-    for stat in stats:
-        scores = [statistic_score(per_run[stat], bases[stat], form) for per_run in series if stat in per_run]
-        try:
-            res = threshold_from_scores(scores, q_total / len(stats), tail)
-        except CalibrationError as exc:
-            uncalibrated["/".join(stat)] = str(exc)
-            continue
-        res["scores"], res["overrides"] = scores, form_overrides(form, res["threshold"])
-        results[stat] = res
+    uncalibrated: dict = {}
+    results = calibrate_statistics(series, bases, form, q_total, tail, uncalibrated)
     meta = {"form": form, "false_alarms_per_1000_steps": rate, "tuning_runs": len(runs), "steps_per_run": steps,
             "per_run_budget": q_total, "split": "equal over statistics",
             "tuning_run_dirs": [os.path.relpath(str(p), os.path.dirname(str(run_dirs[0]))) for p in run_dirs],

@@ -144,10 +144,12 @@ def threshold_from_scores(scores: Sequence[float], q: float, tail: str = "auto")
 
 
 def calibrate_statistics(runs: Sequence[dict], bases: dict, form: str, q_total: float,
-                         tail: str = "auto") -> dict:
+                         tail: str = "auto", skipped: Optional[dict] = None) -> dict:
     """Thresholds of every statistic: `runs` are {statistic: [series values...]} per healthy run, `bases`
     {statistic: DetectorConfig}; the per-run budget q_total is split equally (Bonferroni) over statistics.
 
+    A statistic whose scores give no threshold raises CalibrationError, or, when `skipped` is a dict, is left
+    out and recorded there ({statistic: reason}; its detector stays the base one); all of them left out raises.
     Returns {statistic: {threshold, tail, k, runs, promised, scores, overrides}}."""
     stats = sorted(bases)
     if not stats:
@@ -159,8 +161,14 @@ def calibrate_statistics(runs: Sequence[dict], bases: dict, form: str, q_total: 
         try:
             result = threshold_from_scores(scores, q, tail)
         except CalibrationError as exc:
-            raise CalibrationError(f"{'/'.join(stat)} ({form}): {exc}") from None
+            if skipped is None:
+                raise CalibrationError(f"{'/'.join(stat)} ({form}): {exc}") from None
+            skipped["/".join(stat)] = str(exc)
+            continue
         result["scores"] = scores
         result["overrides"] = form_overrides(form, result["threshold"])
         out[stat] = result
+    if not out:
+        first = next(iter(skipped.items()))
+        raise CalibrationError(f"no statistic could be calibrated ({form}); {first[0]}: {first[1]}")
     return out

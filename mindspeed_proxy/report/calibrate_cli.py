@@ -164,10 +164,12 @@ def main(argv=None) -> int:
         bases = base_configs(config, stats)
         candidates = {}
         for form in forms:
-            results = calibrate_statistics(series, bases, form, q_total, args.tail)
+            skipped: dict = {}
+            results = calibrate_statistics(series, bases, form, q_total, args.tail, skipped)
             meta = {"form": form, "false_alarms_per_1000_steps": rate, "tuning_runs": len(runs),
                     "steps_per_run": steps, "per_run_budget": q_total, "split": "equal over statistics",
-                    "tuning_run_dirs": [os.path.basename(os.path.normpath(p)) for p in args.run_dirs]}
+                    "tuning_run_dirs": [os.path.basename(os.path.normpath(p)) for p in args.run_dirs],
+                    "uncalibrated": skipped}
             candidates[form] = (results, calibrated_config(config, results, meta))
     except (RunError, ValueError, TypeError, CalibrationError) as exc:
         print(f"mindspeed-proxy calibrate: error: {exc}", file=sys.stderr)
@@ -181,11 +183,15 @@ def main(argv=None) -> int:
             guarantee = (f"P(alarm) ≤ {res['promised']:.3g} per run (k={res['k']} of N={res['runs']})"
                          if res["tail"] == "order" else f"Gumbel fit on N={res['runs']}: extrapolated, no guarantee")
             print(f"  [{form}] {family}/{metric}: {FORMS[form][1]} = {res['threshold']:.4g}; {guarantee}")
+        for stat, reason in cfg.calibration["uncalibrated"].items():
+            print(f"  [{form}] {stat}: NOT calibrated, keeps the base config's detector: {reason}")
         total = sum(res["promised"] for res in results.values())
         exact = all(res["tail"] == "order" for res in results.values())
         print(f"  [{form}] promise: P(a false alarm in a {steps:.0f}-step run) ≤ {total:.3g} = "
               f"{1000.0 * total / steps:.3g} per 1000 steps" + ("" if exact else " (partly extrapolated)")
-              + (" (vacuous: ≥ 1, more tuning runs needed)" if total >= 1 else ""))
+              + (" (vacuous: ≥ 1, more tuning runs needed)" if total >= 1 else "")
+              + (f"; {n} statistic(s) not calibrated are outside it" if (n := len(cfg.calibration["uncalibrated"]))
+                 else ""))
         if held:
             held_rates[form] = false_alarms(held, cfg, set(stats))
             h = held_rates[form]

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from mindspeed_proxy.monitor.calibration import (FORMS, bisect_score, form_config, series_score,
-                                                 threshold_from_scores)
+from mindspeed_proxy.monitor.calibration import (FORMS, CalibrationError, bisect_score, calibrate_statistics,
+                                                 form_config, series_score, threshold_from_scores)
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import DetectorConfig, SeriesDetector
 
@@ -108,6 +108,23 @@ def test_threshold_rule_order_statistic_and_gumbel():
     assert gumbel["tail"] == "gumbel" and gumbel["threshold"] > max(scores)
     with pytest.raises(ValueError, match="no spread"):
         threshold_from_scores([0.0, 0.0, 0.0], 0.01, "auto")
+
+
+def test_a_statistic_without_spread_keeps_its_base_detector_and_is_listed():
+    """A statistic that never moves on the healthy runs (e.g. top-k match 1.0 without a fault) scores 0 on all of
+    them: no threshold exists; with `skipped` it is left out and named, the others are still calibrated."""
+    rng = random.Random(3)
+    runs = [{("rl", "flat"): [[1.0] * T], ("rl", "noisy"): [iid(rng, T)]} for _ in range(N)]
+    bases = {("rl", "flat"): BASE, ("rl", "noisy"): BASE}
+    with pytest.raises(CalibrationError, match="rl/flat"):
+        calibrate_statistics(runs, bases, "frozen", 2 * Q, "gumbel")
+    skipped: dict = {}
+    out = calibrate_statistics(runs, bases, "frozen", 2 * Q, "gumbel", skipped)
+    assert set(out) == {("rl", "noisy")} and list(skipped) == ["rl/flat"] and "no spread" in skipped["rl/flat"]
+    expected = threshold_from_scores([series_score(r[("rl", "noisy")][0], BASE, "frozen") for r in runs], Q, "gumbel")
+    assert out[("rl", "noisy")]["threshold"] == expected["threshold"]  # the budget is still split over both
+    with pytest.raises(CalibrationError, match="no statistic could be calibrated"):
+        calibrate_statistics([{("rl", "flat"): [[1.0] * T]}] * N, {("rl", "flat"): BASE}, "frozen", Q, "gumbel", {})
 
 
 # ---------------------------------------------------------------- run directories and the CLI
