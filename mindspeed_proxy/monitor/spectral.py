@@ -2,6 +2,7 @@
 
 Everything is batched over leading dimensions and stays on the input's device. No host syncs, except
 one flag read by the Gram core of QK increments to route rank-deficient factors to its eigh fallback.
+The spectral cores run single-threaded (torch and BLAS, `threads.single_threaded`): their calls are small.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.threads import single_threaded
 
 TERMS = ("delta1", "delta2", "delta3")
 PARALLEL_MODES = (None, "column", "row")
@@ -174,6 +176,7 @@ def _small_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
+@single_threaded()
 def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """Singular values of A·Bᵀ (A, B: [..., d, m]) from m×m Gram or QR cores, never forming d×d; descending, [..., m].
 
@@ -197,6 +200,7 @@ def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: st
 
 
 @torch.no_grad()
+@single_threaded()
 def qk_increment_singular_values(
     wq_old: torch.Tensor,
     wk_old: torch.Tensor,
@@ -229,6 +233,7 @@ def qk_increment_singular_values(
 
 
 @torch.no_grad()
+@single_threaded()
 def qk_increment_spectra(
     wq_old: torch.Tensor,
     wk_old: torch.Tensor,
@@ -265,6 +270,7 @@ def qk_increment_spectra(
 
 
 @torch.no_grad()
+@single_threaded()
 def update_singular_values(
     delta: torch.Tensor,
     group=None,
@@ -307,6 +313,7 @@ def update_gram(delta: torch.Tensor, parallel_mode: Optional[str] = None,
 
 
 @torch.no_grad()
+@single_threaded()
 def singular_values_from_gram(gram: torch.Tensor) -> torch.Tensor:
     """Singular values (descending) of the matrix whose (summed) Gram is `gram`."""
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)
