@@ -5,6 +5,7 @@ cores, the spectral families, after_optimizer_step and the router updates run si
 itself keeps the trainer's thread count.
 """
 import inspect
+import threading
 
 import pytest
 import torch
@@ -112,6 +113,39 @@ def test_cores_run_single_threaded_and_match_the_multithreaded_result(two_thread
     ref = torch.linalg.svdvals(delta)
     assert torch.allclose(sv, ref, rtol=1e-9, atol=1e-12)
     assert torch.get_num_threads() == 2 and set(blas_threads()) == {2}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_heads_in_parallel_give_the_serial_result(two_threads, monkeypatch, gqa):
+    wq, wk, wq_new, wk_new = qk_layer(heads=4)
+    if gqa:  # 2 KV groups of 2 query heads: the key blocks broadcast over the heads of a group
+        wq, wq_new = (t.unflatten(0, (2, 2)) for t in (wq, wq_new))
+        wk, wk_new = (t.unflatten(0, (2, 2))[:, :1] for t in (wk, wk_new))
+    terms = ("delta1", "delta2", "delta3")
+    old_grams = spectral.qk_increment_spectra(wq, wk, wq, wk, ("delta3",))[1]  # a steady-state sample
+    threads = set()
+    eigvalsh = torch.linalg.eigvalsh
+
+    def spy(x, *args, **kwargs):
+        threads.add(threading.get_ident())
+        assert torch.get_num_threads() == 1 and set(blas_threads()) == {1}
+        return eigvalsh(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", spy)
+    runs = {}
+    for name, minimum in (("parallel", 0), ("serial", 1 << 62)):
+        monkeypatch.setattr(spectral, "PARALLEL_MIN_ELEMENTS", minimum)
+        threads.clear()
+        runs[name] = [spectral.qk_increment_spectra(wq, wk, wq_new, wk_new, terms, grams) for grams in (None, old_grams)]
+        assert len(threads) == (2 if name == "parallel" else 1), name  # two worker threads, or the caller alone
+    assert torch.get_num_threads() == 2 and set(blas_threads()) == {2}
+    for (par_sv, par_g), (ser_sv, ser_g) in zip(runs["parallel"], runs["serial"]):
+        for term in terms:
+            assert par_sv[term].shape == ser_sv[term].shape
+            scale = ser_sv[term][..., :1]
+            assert torch.allclose(par_sv[term] / scale, ser_sv[term] / scale, rtol=0, atol=1e-6), term
+        for p, s in zip(par_g, ser_g):
+            assert p.shape == s.shape and torch.allclose(p, s, rtol=1e-12, atol=0)
 
 
 def monitored_threads(steps=3):
