@@ -268,7 +268,8 @@ def qk_increment_spectra(
         return out, tuple(rows_gram(_rows(x[1])).to(small) for x in (q, k))
     batch = torch.broadcast_shapes(*(x.shape[:-2] for x in q + k))
     d, h = q[0].shape[-2:]
-    workers = min(outer_threads(), batch[0]) if batch else 1
+    # CPU only: an accelerator runs the heads batched already (and a worker thread would not see the caller's stream)
+    workers = min(outer_threads(), batch[0]) if batch and q[0].device.type == "cpu" else 1
     if workers > 1 and math.prod(batch) * d * h >= PARALLEL_MIN_ELEMENTS:
         return _parallel_gram_spectra(q, k, terms, old_grams, len(batch), workers)
     return _gram_spectra(q, k, terms, old_grams)
