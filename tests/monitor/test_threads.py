@@ -123,21 +123,27 @@ def test_heads_in_parallel_give_the_serial_result(two_threads, monkeypatch, gqa)
         wk, wk_new = (t.unflatten(0, (2, 2))[:, :1] for t in (wk, wk_new))
     terms = ("delta1", "delta2", "delta3")
     old_grams = spectral.qk_increment_spectra(wq, wk, wq, wk, ("delta3",))[1]  # a steady-state sample
-    threads = set()
+    calls = []  # (thread, heads in the batch) of every eigvalsh
     eigvalsh = torch.linalg.eigvalsh
 
     def spy(x, *args, **kwargs):
-        threads.add(threading.get_ident())
+        calls.append((threading.get_ident(), x.shape[:-2].numel()))
         assert torch.get_num_threads() == 1 and set(blas_threads()) == {1}
         return eigvalsh(x, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "eigvalsh", spy)
+    caller = threading.get_ident()
     runs = {}
     for name, minimum in (("parallel", 0), ("serial", 1 << 62)):
         monkeypatch.setattr(spectral, "PARALLEL_MIN_ELEMENTS", minimum)
-        threads.clear()
-        runs[name] = [spectral.qk_increment_spectra(wq, wk, wq_new, wk_new, terms, grams) for grams in (None, old_grams)]
-        assert len(threads) == (2 if name == "parallel" else 1), name  # two worker threads, or the caller alone
+        runs[name] = []
+        for grams in (None, old_grams):
+            calls.clear()
+            runs[name].append(spectral.qk_increment_spectra(wq, wk, wq_new, wk_new, terms, grams))
+            if name == "parallel":  # two halves of the heads, each on a worker thread
+                assert sorted(n for _, n in calls) == [2] * 2 * len(terms) and caller not in {t for t, _ in calls}
+            else:
+                assert calls == [(caller, 4)] * len(terms)
     assert torch.get_num_threads() == 2 and set(blas_threads()) == {2}
     for (par_sv, par_g), (ser_sv, ser_g) in zip(runs["parallel"], runs["serial"]):
         for term in terms:
