@@ -22,6 +22,7 @@ setup(
         "megatron-core>=0.12,<0.20",
         "packaging",
         "psutil",  # megatron dist_checkpointing imports it
+        "threadpoolctl",  # the monitor limits numpy's BLAS pool around its small calls (monitor/threads.py)
     ],
     extras_require={
         # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
