@@ -11,6 +11,7 @@ kept experts), written, and let go. The strategy is a TorchDistSaveShardedStrate
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -55,14 +56,39 @@ def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: in
             pyt_state = mcore_to_pyt_state_dict(state, False)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=False,
                                       thread_count=threads)
-            dcp_save(pyt_state, storage_writer=writer,
-                     planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
+            writer.fs = _KeepErrors(writer.fs)
+            try:
+                dcp_save(pyt_state, storage_writer=writer,
+                         planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
+            finally:
+                if writer.fs.errors:  # a writer thread's failure (DCP's extra threads would only print it)
+                    raise writer.fs.errors[0]
 
         def can_handle_sharded_objects(self):
             """Sharded objects go into the same files (as megatron's torch_dist strategy does)."""
             return True
 
     return StreamingSave("torch_dist", 1)
+
+
+class _KeepErrors:
+    """torch.distributed.checkpoint's file system with each file's write failure kept instead of raised in
+    the writer thread (where DCP's extra threads would print it and go on); save() raises the first."""
+
+    def __init__(self, fs):
+        self.fs, self.errors = fs, []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        """The file system's stream; an exception while writing it is recorded and swallowed."""
+        try:
+            with self.fs.create_stream(path, mode) as stream:
+                yield stream
+        except Exception as exc:
+            self.errors.append(exc)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
 
 
 COMMON_STATE_KEY = "common_state"  # where megatron-core 0.19's save puts the common state in the sharded dict
@@ -100,6 +126,7 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
     (torch.distributed.checkpoint then writes that many .distcp files)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = ChunkReader(ckpt.folder)
     readers: list = []
@@ -125,7 +152,7 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
                                     content_metadata=content_metadata)
     except ConversionError:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         from mindspeed_proxy.proxy.output_guard import disk_full
 
         if disk_full(exc):

@@ -117,7 +117,8 @@ def _chain(exc: BaseException):
         yield exc
         failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
-            for inner in failures.values():
+            for inner in failures.values():  # {rank: (exception, stack summary)}
+                inner = inner[0] if isinstance(inner, tuple) and inner else inner
                 yield from _chain(inner if isinstance(inner, BaseException) else None)
         exc = exc.__cause__ or exc.__context__
 
