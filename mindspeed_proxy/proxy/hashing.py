@@ -22,8 +22,8 @@ except ImportError:  # the `proxy` extra installs it; SHA-256 is the slower fall
     _xxhash = None
 
 ALGORITHM = "xxh3_128" if _xxhash is not None else "sha256"
-BLOCK = 8 << 20  # bytes read per block by the source pass
-BUFFERS = 4  # blocks in flight between the reading thread and the hash thread
+BLOCK = 4 << 20  # bytes read per block by the source pass
+BUFFERS = 3  # blocks in flight between the reading thread and the hash thread (12 MiB in all)
 
 
 def new(algorithm: str = ALGORITHM):
