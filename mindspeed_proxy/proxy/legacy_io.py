@@ -291,7 +291,7 @@ class RecordingWriter(pages.DropAfterWrite):
     hands each tensor record to one write) gets (file offset, size) -> digest of the bytes written, hashed
     piece by piece as each piece goes to the file."""
 
-    MIN_RECORD = 64 << 10
+    MIN_RECORD = 4 << 10
 
     def __init__(self, fh):
         super().__init__(fh)

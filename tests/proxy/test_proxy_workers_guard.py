@@ -56,10 +56,14 @@ def test_workers_write_bit_identical_legacy_proxies_verified_from_digests(checkp
         m.pop("created")
     assert manifests[0] == manifests[1]
     counts = manifests[0]["verification"]
-    expert_bytes = sum(v.nbytes for p in one if p.endswith(".pt")
-                       for k, v in torch.load(os.path.join(outs[1], p), mmap=True, weights_only=False)["model"].items()
-                       if ".experts." in k and isinstance(v, torch.Tensor))
-    assert counts["experts"] == 2 * 4 and counts["bytes_from_digests"] >= expert_bytes > 0
+    from mindspeed_proxy.proxy.legacy_io import RecordingWriter
+
+    tensors = [(k, v) for p in one if p.endswith(".pt")
+               for k, v in torch.load(os.path.join(outs[1], p), mmap=True, weights_only=False)["model"].items()
+               if isinstance(v, torch.Tensor)]
+    expert_bytes = sum(v.nbytes for k, v in tensors if ".experts." in k)
+    whole = sum(v.nbytes for k, v in tensors if v.nbytes >= RecordingWriter.MIN_RECORD and ".router." not in k)
+    assert counts["experts"] == 2 * 4 and counts["bytes_from_digests"] == whole >= expert_bytes > 0
     assert _left_behind(tmp_path) == ["w1", "w2"]  # no lock file, temp or scratch folder left
 
 
@@ -98,7 +102,7 @@ def test_corrupted_written_byte_caught_from_digests(checkpoints, tmp_path, monke
     assert main(["--load", checkpoints("ep4"), "--save", str(out), *FLAGS, "--workers", "1"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert hit and "verification failed" in line and "differs from source expert" in line
-    assert not reread or max(reread) < 64 << 10  # only small tensors compared by reading
+    assert not reread or max(reread) < 4 << 10  # only small tensors compared by reading
     assert _left_behind(tmp_path) == []
 
 
