@@ -36,7 +36,11 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         """Take the lock or refuse in one line naming OUT_DIR and the holder's pid."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ConversionError(f"--save {self.save}: cannot create the lock file {self.path} "
+                                      f"({exc.strerror}); nothing written") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

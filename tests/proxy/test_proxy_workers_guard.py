@@ -210,3 +210,29 @@ def test_bench_convert_creates_its_workdir(tmp_path):
     assert work.is_dir() and os.listdir(work) == []
     for what in ("legacy warm", "marginal s/GiB", "workers 1 -> 2", "peak RSS", "DeepSeek-V3"):
         assert what in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("block", [4096, 1 << 20])
+def test_source_pass_digests_every_record_in_one_read(tmp_path, block):
+    """The one source pass: each file's digest and each tensor record's digest equal the digests of those
+    bytes hashed directly, for records smaller than a block, spanning several blocks, and several per block."""
+    from mindspeed_proxy.proxy import hashing
+
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for i, sizes in enumerate([(3, 1000, 50000), (7, 20000)]):
+        path = str(tmp_path / f"f{i}.pt")
+        torch.save({f"t{j}": torch.randn(n, generator=gen) for j, n in enumerate(sizes)}, path)
+        paths.append(path)
+    paths.append(str(tmp_path / "plain.json"))
+    Path(paths[-1]).write_text('{"not": "a zip"}')
+    source = hashing.SourcePass(paths, block=block)
+    files = source.result()
+    assert files == {p: hashing.file_digest(p) for p in paths}
+    for path in paths[:2]:
+        data = open(path, "rb").read()
+        spans = hashing.torch_records(path)
+        assert len(spans) == (3 if path.endswith("f0.pt") else 2)
+        for (offset, size) in spans:
+            assert source.record(path, offset, size) == hashing.digest(data[offset:offset + size])
+    assert hashing.torch_records(paths[2]) == {} and len(source.records) == 5
