@@ -111,13 +111,30 @@ def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: C
     pages.register(*ckpt.file_paths())  # source pages read through mmap are dropped once used
     pages.pin_mmap_threshold()  # staging buffers leave RSS when freed
     # every source byte is read once, by this pass (whole-file digests; legacy: every tensor record's too)
-    hasher = None if dry_run else hashing.SourcePass(ckpt.file_paths(), records=ckpt.format == "torch")
+    hasher = None if dry_run else hashing.SourcePass(ckpt.file_paths(), records=_record_spans(ckpt))
     try:
         return _write(ckpt, save, options, dry_run, echo, hasher, workers)
     finally:
         if hasher is not None:
             hasher.cancel()
         pages.unregister_all()
+
+
+def _record_spans(ckpt):
+    """What the source pass digests besides whole files: legacy torch.save records, torch_dist chunks."""
+    if ckpt.format == "torch":
+        return True
+    if ckpt.format != "torch_dist":
+        return False
+    from mindspeed_proxy.proxy.dist_chunks import record_spans
+
+    found: dict = {}
+
+    def spans(path: str) -> list:
+        if not found:
+            found.update(record_spans(ckpt.folder) or {"": []})
+        return found.get(os.path.realpath(path), [])
+    return spans
 
 
 def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, hasher, workers: int = 1):
@@ -142,9 +159,12 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             from mindspeed_proxy.proxy.dist_io import write_dist
             from mindspeed_proxy.proxy.verify import verify_dist
 
-            write_dist(ckpt, plan, plan.new_args, tmp, workers=workers)
+            from mindspeed_proxy.proxy.verify import StreamCompare
+
+            written: dict = {}
+            write_dist(ckpt, plan, plan.new_args, tmp, workers=workers, digests=written)
             pages.trim_heap()
-            verification = verify_dist(ckpt, plan, tmp)
+            verification = verify_dist(ckpt, plan, tmp, StreamCompare(written, hasher))
         else:
             from mindspeed_proxy.proxy.verify import StreamCompare
 

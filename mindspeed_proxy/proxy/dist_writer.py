@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import warnings
+from typing import Optional
 
 import torch
 
@@ -24,7 +25,7 @@ from mindspeed_proxy.proxy.dist_common import COMMON_FILE
 from mindspeed_proxy.proxy.errors import ConversionError
 
 
-def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: int = 1):
+def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: int = 1, digests=None):
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict)
@@ -56,7 +57,7 @@ def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: in
             pyt_state = mcore_to_pyt_state_dict(state, False)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=False,
                                       thread_count=threads)
-            writer.fs = _KeepErrors(writer.fs)
+            writer.fs = _KeepErrors(writer.fs, digests)
             try:
                 dcp_save(pyt_state, storage_writer=writer,
                          planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
@@ -71,19 +72,52 @@ def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: in
     return StreamingSave("torch_dist", 1)
 
 
+class _Recording:
+    """A DCP output stream whose writes of MIN_RECORD bytes or more (torch.save hands each tensor record to
+    one write) are hashed on their way to the file: digests[(file offset, size)] = digest."""
+
+    MIN_RECORD = 4 << 10
+
+    def __init__(self, stream, digests: dict):
+        self.stream, self.digests = stream, digests
+
+    def write(self, data) -> int:
+        """Write `data`, hashing it when large."""
+        view = memoryview(data)
+        if view.nbytes >= self.MIN_RECORD and view.c_contiguous:
+            from mindspeed_proxy.proxy import hashing
+
+            offset, view = self.stream.tell(), view.cast("B")
+            h = hashing.new()
+            for start in range(0, len(view), pages.WRITE_BYTES):
+                piece = view[start:start + pages.WRITE_BYTES]
+                h.update(piece)
+                self.stream.write(piece)
+            self.digests[(offset, len(view))] = h.hexdigest()
+            return len(view)
+        return self.stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 class _KeepErrors:
     """torch.distributed.checkpoint's file system with each file's write failure kept instead of raised in
-    the writer thread (where DCP's extra threads would print it and go on); save() raises the first."""
+    the writer thread (where DCP's extra threads would print it and go on); save() raises the first. With
+    `digests`, every file's large writes are hashed: digests[real path] = {(offset, size): digest}."""
 
-    def __init__(self, fs):
-        self.fs, self.errors = fs, []
+    def __init__(self, fs, digests: Optional[dict] = None):
+        self.fs, self.errors, self.digests = fs, [], digests
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         """The file system's stream; an exception while writing it is recorded and swallowed."""
         try:
             with self.fs.create_stream(path, mode) as stream:
-                yield stream
+                if self.digests is None or "w" not in mode:
+                    yield stream
+                else:
+                    yield _Recording(stream, self.digests.setdefault(os.path.realpath(str(path)), {}))
         except Exception as exc:
             self.errors.append(exc)
 
@@ -120,10 +154,11 @@ def _fetcher(local, chunk):
 
 
 def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, content_metadata=None,
-                   progress=None, threads: int = 1) -> None:
+                   progress=None, threads: int = 1, digests: Optional[dict] = None) -> None:
     """Write the proxy's model tensors (chunk by chunk from the source), `objects` (ShardedObjects) and
     `common_state` into `folder` with megatron `dist_checkpointing.save`, on `threads` writer threads
-    (torch.distributed.checkpoint then writes that many .distcp files)."""
+    (torch.distributed.checkpoint then writes that many .distcp files); with `digests`, fill it with the
+    digests of the records written ({real path: {(offset, size): digest}})."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.checkpoint.api import CheckpointException
@@ -148,7 +183,8 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
             # the proxy keeps the source's form of the common state: a common.pt source (megatron-core < 0.19,
             # which reads nothing else) gets a common.pt proxy whichever megatron-core converts
             common_file = os.path.isfile(os.path.join(ckpt.folder, COMMON_FILE))
-            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress, common_file, threads),
+            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress, common_file, threads,
+                                                                            digests),
                                     content_metadata=content_metadata)
     except ConversionError:
         raise

@@ -72,10 +72,11 @@ def torch_records(path: str) -> dict:
 class SourcePass:
     """Reads every source file once, sequentially in BLOCK-byte buffers, on a reading thread that hands each
     filled buffer to a hash thread (file reads and both hashes release the GIL): the whole-file digest for
-    the manifest and, for torch.save files, the digest of every tensor record (what verification compares
-    the written stream against). Started before planning; result() waits for it."""
+    the manifest and the digest of every tensor record (what verification compares the written stream
+    against). `records`: True for torch.save files (spans from their zip directory), a callable
+    path -> [(offset, size)] (torch_dist chunks), or False. Started before planning; result() waits."""
 
-    def __init__(self, paths: list, records: bool = True, block: int = BLOCK):
+    def __init__(self, paths: list, records=True, block: int = BLOCK):
         self.files: dict = {}      # path -> hex digest of the file
         self.records: dict = {}    # (real path, offset, size) -> hex digest of that tensor record
         self._error: Optional[BaseException] = None
@@ -93,7 +94,10 @@ class SourcePass:
     def _read(self) -> None:
         try:
             for path in self._paths:
-                spans = sorted(torch_records(path)) if self._want_records else []
+                if callable(self._want_records):
+                    spans = sorted(set(self._want_records(path)))
+                else:
+                    spans = sorted(torch_records(path)) if self._want_records else []
                 self._full.put(("file", path, spans))
                 with open(path, "rb", buffering=0) as fh:
                     while not self._stop.is_set():

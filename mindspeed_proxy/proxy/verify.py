@@ -34,7 +34,7 @@ class StreamCompare:
     def __init__(self, written: dict, source):
         self.written = {os.path.realpath(p): d for p, d in written.items()}
         self.source = source
-        self.counts = {"bytes_from_digests": 0, "bytes_compared_by_reading": 0}
+        self.counts = {"bytes_from_digests": 0, "source_bytes_hashed_again": 0, "bytes_compared_by_reading": 0}
 
     def _written_digest(self, tensor):
         where = pages.file_ranges([tensor])[0]
@@ -56,15 +56,34 @@ class StreamCompare:
             if written is not None:
                 expected = self._source_digest(want) if want.is_contiguous() else None
                 if expected is None:
-                    from mindspeed_proxy.proxy import hashing
-
-                    expected = hashing.digest(want.contiguous().view(-1).view(torch.uint8).numpy())
-                    pages.drop(want)
+                    expected = _tensor_digest(want)
+                    self.counts["source_bytes_hashed_again"] += want.nbytes
                 self.counts["bytes_from_digests"] += got.nbytes
                 return written == expected
         if isinstance(got, torch.Tensor):
             self.counts["bytes_compared_by_reading"] += got.nbytes
         return equal_in_blocks(got, want)
+
+
+def _tensor_digest(t, block: int = 4 << 20) -> str:
+    """Digest of a tensor's bytes: pread from its file in blocks when it is memory-mapped from a registered
+    file (the mapping never touched), else from memory."""
+    from mindspeed_proxy.proxy import hashing
+
+    where = pages.file_ranges([t])[0] if t.is_contiguous() else None
+    if where is None:
+        return hashing.digest(t.contiguous().view(-1).view(torch.uint8).numpy())
+    h, buffer = hashing.new(), bytearray(min(block, t.nbytes))
+    fd = os.open(where[0], os.O_RDONLY)
+    try:
+        for start in range(0, t.nbytes, block):
+            n = min(block, t.nbytes - start)
+            view = memoryview(buffer)[:n]
+            pages.pread_into(fd, view, where[1] + start, where[0])
+            h.update(view)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
 
 
 def verify_legacy(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
@@ -159,9 +178,10 @@ def _same_object(a, b) -> bool:
     return bit_equal(a, b)
 
 
-def verify_dist(ckpt, plan, out_root: str) -> dict:
-    """Re-read a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
-    router rows bit-exact, every other tensor and object identical, common args rewritten, tracker."""
+def verify_dist(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
+    """Check a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
+    router rows bit-exact, every other tensor and object identical, common args rewritten, tracker. With
+    `stream` (the written records' digests) stored chunks are compared by digest, not re-read."""
     from mindspeed_proxy.proxy import dist_io as D
     from mindspeed_proxy.proxy.dist_chunks import ChunkReader
 
@@ -183,7 +203,7 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
         if D.is_stacked(key) and out.layers_of[key] != src.layers_of[key]:
             _fail(folder, f"{key} stored for layers {out.layers_of[key]}, source {src.layers_of[key]}")
         layers = len(src.layers_of[key]) if D.is_stacked(key) else 1
-        _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader)
+        _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader, stream or equal_in_blocks)
         if not D.is_sliced(key):
             counts["other_tensors"] += layers
         else:
@@ -197,15 +217,18 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
         if not _same_object(got[name], want[source]):
             _fail(folder, f"object {name} differs from source {source}")
         counts["objects"] += 1
+    if stream is not None:
+        counts.update(stream.counts)
     return counts
 
 
-def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader) -> None:
+def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader, same=None) -> None:
     """Every stored chunk of proxy tensor `key` against the source region it must hold, one chunk at a
     time: unsliced chunks against the same region of the source, sliced ones expert by expert against
     the source expert the plan kept at that position; the chunks must cover the proxy tensor."""
     from mindspeed_proxy.proxy import dist_io as D
 
+    same = same or equal_in_blocks
     stored, total = got_reader.chunks(key), 0
     per_layer = 1
     for n in want_shape[1:] if D.is_stacked(key) else want_shape:
@@ -215,7 +238,7 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
             _fail(folder, f"{key}: chunk {list(offsets)}+{list(sizes)} outside {list(want_shape)}")
         total += _numel(sizes)
         if not D.is_sliced(key):
-            if not equal_in_blocks(got_reader.read(key, offsets), src_reader.region(key, offsets, sizes)):
+            if not same(got_reader.read(key, offsets), src_reader.region(key, offsets, sizes)):
                 _fail(folder, f"{key} at {list(offsets)} differs from the source")
             continue
         a = D.expert_axis(key)
@@ -226,7 +249,7 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
         for j in range(offsets[a], offsets[a] + sizes[a]):
             where = offsets[:a] + (kept[j],) + offsets[a + 1:]
             want = src_reader.region(key, where, sizes[:a] + (1,) + sizes[a + 1:])
-            if not equal_in_blocks(got.narrow(a, j - offsets[a], 1), want):
+            if not same(got.narrow(a, j - offsets[a], 1), want):
                 _fail(folder, f"{key} at {list(offsets)}: proxy expert {j} differs from source expert {kept[j]}")
     if total != per_layer * layers:
         _fail(folder, f"{key}: stored chunks hold {total} elements, expected {per_layer * layers}")

@@ -236,3 +236,59 @@ def test_source_pass_digests_every_record_in_one_read(tmp_path, block):
         for (offset, size) in spans:
             assert source.record(path, offset, size) == hashing.digest(data[offset:offset + size])
     assert hashing.torch_records(paths[2]) == {} and len(source.records) == 5
+
+
+def _chunks(folder):
+    """{(key, offsets): bytes} of every stored tensor chunk of a torch_dist folder."""
+    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+
+    reader = ChunkReader(folder)
+    return {(key, offsets): reader.read(key, offsets).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for key in reader.metadata.state_dict_metadata
+            if hasattr(reader.metadata.state_dict_metadata[key], "chunks")
+            for offsets, _ in reader.chunks(key)}
+
+
+def test_dist_workers_same_tensors_verified_from_digests(dist_checkpoints, tmp_path):
+    """torch_dist with 1 and 2 writer threads: 1 and 2 .distcp files holding the same chunks byte for byte;
+    every kept tensor verified from the written records' digests against the source pass's chunk digests."""
+    src = dist_checkpoints("ep2_bias")
+    outs = {n: tmp_path / f"w{n}" for n in (1, 2)}
+    for n, out in outs.items():
+        assert main(["--load", src, "--save", str(out), "--target-expert-parallel-size", "1",
+                     "--target-num-experts", "4", "--workers", str(n)]) == 0
+    folders = {n: out / "iter_0000002" for n, out in outs.items()}
+    assert [len([f for f in os.listdir(d) if f.endswith(".distcp")]) for d in folders.values()] == [1, 2]
+    one, two = _chunks(folders[1]), _chunks(folders[2])
+    assert one == two and len(one) > 8
+    counts = json.load(open(outs[2] / "proxy_manifest.json"))["verification"]
+    big = sum(len(v) for v in one.values() if len(v) >= 4 << 10)
+    assert counts["bytes_from_digests"] == big > 0 and counts["source_bytes_hashed_again"] == 0
+    assert _left_behind(tmp_path) == ["w1", "w2"]
+
+
+def test_dist_corrupted_written_byte_caught_from_digests(dist_checkpoints, tmp_path, monkeypatch, capsys):
+    """A torch_dist writer that hands DCP one wrong byte in a kept expert chunk: refused, nothing left."""
+    from mindspeed_proxy.proxy import dist_writer, verify
+
+    expected, hit = dist_writer.expected, []
+
+    def corrupt(reader, chunk):
+        data = expected(reader, chunk)
+        if not hit and ".experts." in chunk.key and data.nbytes >= 4 << 10:
+            data = data.clone()
+            data.view(-1).view(torch.uint8)[7] ^= 0x01
+            hit.append(chunk.key)
+        return data
+
+    reread = []
+    compare = verify.equal_in_blocks
+    monkeypatch.setattr(dist_writer, "expected", corrupt)
+    monkeypatch.setattr(verify, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
+    out = tmp_path / "out"
+    assert main(["--load", dist_checkpoints("ep2_bias"), "--save", str(out), "--target-expert-parallel-size", "1",
+                 "--target-num-experts", "4", "--workers", "1"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert hit and "verification failed" in line and "differs from source expert" in line
+    assert not reread or max(reread) < 4 << 10
+    assert _left_behind(tmp_path) == []
