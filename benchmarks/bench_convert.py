@@ -149,7 +149,8 @@ def child_convert(argv: list) -> None:
     import mindspeed_proxy.proxy.convert  # noqa: F401
     from mindspeed_proxy.proxy import cli
 
-    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features"]
+    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features", "mindspeed_proxy.proxy.hashing",
+               "mindspeed_proxy.proxy.output_guard", "concurrent.futures.process", "multiprocessing"]
     if fmt == "torch_dist":
         modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.dist_io",
                     "mindspeed_proxy.proxy.dist_chunks", "mindspeed_proxy.proxy.dist_writer"]
