@@ -29,7 +29,8 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn"],
         "report": ["matplotlib"],
         "npu": ["torch_npu"],
-        "proxy": ["scipy", "scikit-learn", "tqdm"],
+        # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)
+        "proxy": ["scipy", "scikit-learn", "tqdm", "xxhash"],
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
         # transformers (tested on 5.23.0, which needs no newer torch) builds the tiny models of the tests
         "hf": ["safetensors>=0.8", "transformers==5.23.0"],
