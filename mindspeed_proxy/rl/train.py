@@ -4,7 +4,8 @@ Each step: sample `--grpo-group-size` rollouts of each prompt (no grad, fixed sh
 recorded), score them, recompute the old and reference logprobs (with R2/R3 routing replay),
 take the GRPO optimizer step(s) through Megatron's schedule, DDP and optimizer, reduce the RL
 metrics over data-parallel ranks, write one metrics.jsonl record and hand the rl family to the
-mechanism monitor. `--load` reads the weights (the optimizer starts fresh, as with --finetune).
+mechanism monitor. `--load` reads the weights (the optimizer starts fresh, as with --finetune);
+`--load DIR --rl-resume` continues the RL run saved in DIR (rl/resume.py).
 """
 from __future__ import annotations
 
