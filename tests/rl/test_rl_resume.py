@@ -5,6 +5,9 @@ The router-noise fault starts after the resume point, so the uninterrupted run h
 """
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +68,15 @@ def test_resumed_rl_run_repeats_the_uninterrupted_steps_and_alerts(tmp_path, fmt
         saved, again = _common(full / "ckpt", STEPS), _common(ckpt, STEPS)
         assert saved[KEY] == again[KEY] and saved[LOOP] == again[LOOP]
         assert saved[LOOP]["step"] == STEPS and saved["checkpoint_parts_per_rank"]["names"] == [REFERENCE]
+        # the converter keeps the model only: no loop, monitor or per-rank reference state in the proxy
+        proxy = tmp_path / "proxy"
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "convert_to_proxy.py"),
+                              "--load", str(full / "ckpt"), "--save", str(proxy), "--target-num-experts", "4",
+                              "--target-expert-parallel-size", "1"], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        common = _common(proxy, STEPS)
+        assert not {KEY, LOOP, "checkpoint_parts_per_rank"} & set(common)
+        assert not list((proxy / f"iter_{STEPS:07d}").glob("*rl_reference*"))
 
 
 def test_rl_resume_needs_load(capsys):
