@@ -18,7 +18,7 @@ from test_megatron_lm import _launch, _losses, env, mlm, pytestmark  # noqa: F40
 
 STEPS, MID = 20, 10
 # without dropout: a run resumed from a checkpoint repeats the uninterrupted one exactly (with Megatron-LM's default
-# dropout 0.1 its CPU resume here does not: the first resumed loss already differs; see docs/megatron_lm.md)
+# dropout 0.1 its CPU resume here did not: the first resumed step's ΔW already differed; see docs/megatron_lm.md)
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 MONITOR = {"interval": 1, "delta": 1, "router_interval": 2, "sinks": ["jsonl", "tensorboard"], "qk_gram_reuse": 0,
            "detector": {"warmup": 4, "persistence": 1}, "router_detector": {"warmup": 2, "persistence": 1}}
@@ -28,7 +28,8 @@ def _run(mlm, env, tmp, name, fmt, *extra):
     (tmp / "monitor.json").write_text(json.dumps(MONITOR))
     run = tmp / name
     run.mkdir(exist_ok=True)
-    res = _launch(mlm, env, run, "--train-iters", str(STEPS), *NO_DROPOUT, "--ckpt-format", fmt, "--enable-mechanism-monitor",
+    res = _launch(mlm, env, run, "--train-iters", str(STEPS), *NO_DROPOUT, "--ckpt-format", fmt,
+                  "--enable-mechanism-monitor",
                   "--mechanism-monitor-config", str(tmp / "monitor.json"), "--mechanism-monitor-output",
                   str(run / "mon"), "--inject-fault", "lr-spike:start=13,x=40", *extra)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -38,6 +39,11 @@ def _run(mlm, env, tmp, name, fmt, *extra):
 def _alerts(out_dir, after=0):
     records = [json.loads(line) for line in open(out_dir / "monitor.jsonl", encoding="utf-8")]
     return [r for r in records if r["type"] == "alert" and r["step"] > after]
+
+
+def _samples(out_dir):
+    records = [json.loads(line) for line in open(out_dir / "monitor.jsonl", encoding="utf-8")]
+    return {(r["family"], r["step"]): r for r in records if r["type"] == "sample"}
 
 
 def _saved_state(ckpt, fmt, iteration):
@@ -57,11 +63,11 @@ def full(request, mlm, env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"mlm_{request.param}")
     run, res = _run(mlm, env, tmp, "full", request.param, "--save", str(tmp / "full" / "ckpt"),
                     "--save-interval", str(MID), "--tensorboard-dir", str(tmp / "full" / "tb"))
-    return request.param, tmp, run, _losses(res.stdout)
+    return request.param, tmp, run
 
 
 def test_resumed_pretrain_gpt_raises_the_uninterrupted_alerts(mlm, env, full):
-    fmt, tmp, run, losses = full
+    fmt, tmp, run = full
     expected = _alerts(run / "mon", after=MID)
     assert expected, "the fault must raise alerts after the resume point, or this test shows nothing"
     ckpt = tmp / "resumed" / "ckpt"
@@ -69,9 +75,9 @@ def test_resumed_pretrain_gpt_raises_the_uninterrupted_alerts(mlm, env, full):
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(MID))
     resumed, res = _run(mlm, env, tmp, "resumed", fmt, "--load", str(ckpt), "--save", str(ckpt),
                         "--save-interval", str(MID))
-    resumed_losses = _losses(res.stdout)
-    assert sorted(resumed_losses) == list(range(MID + 1, STEPS + 1))  # Megatron-LM resumed at MID
-    assert resumed_losses == {i: losses[i] for i in resumed_losses}  # and exactly: same training after it
+    assert sorted(_losses(res.stdout)) == list(range(MID + 1, STEPS + 1))  # Megatron-LM resumed at MID
+    # the same training after it: every ΔW / QK / router sample of the resumed steps is the uninterrupted run's
+    assert _samples(resumed / "mon") == {k: v for k, v in _samples(run / "mon").items() if k[1] > MID}
     assert _alerts(resumed / "mon") == expected
     assert _saved_state(ckpt, fmt, STEPS) == _saved_state(run / "ckpt", fmt, STEPS)
 
@@ -80,7 +86,7 @@ def test_monitor_takes_megatron_lm_tensorboard_writer(full):
     """Megatron-LM's --tensorboard-dir writer (global_vars, last rank) carries Megatron's and the monitor's tags."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    fmt, _, run, _ = full
+    fmt, _, run = full
     if fmt != "torch":
         pytest.skip("one format is enough: the writer does not depend on the checkpoint format")
     acc = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})

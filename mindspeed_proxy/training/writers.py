@@ -1,4 +1,4 @@
-"""`--tensorboard-dir` of our trainer and RL loop: one SummaryWriter, handed to the monitor as Megatron-LM hands its own.
+"""`--tensorboard-dir` of our trainer and RL loop: a SummaryWriter, handed to the monitor as Megatron-LM's own is.
 
 Megatron-LM creates its writer in `initialize_megatron` (global_vars, on the last rank) and logs its scalars to
 it; the mechanism monitor takes that writer under `pretrain_gpt.py` (patches/runtime.py). Our trainer and RL

@@ -36,8 +36,9 @@ def _records(path, kind):
 def _run(root, name, fmt, *extra):
     run = root / name
     (root / "monitor.json").write_text(json.dumps(MONITOR))
-    run_distributed(main, 2, ARGS + ["--ckpt-format", fmt, "--mechanism-monitor-config", str(root / "monitor.json"), "--log-dir", str(run / "logs"),
-                                     "--mechanism-monitor-output", str(run / "mon"), *extra], timeout=600)
+    run_distributed(main, 2, ARGS + ["--ckpt-format", fmt, "--mechanism-monitor-config", str(root / "monitor.json"),
+                                     "--log-dir", str(run / "logs"), "--mechanism-monitor-output", str(run / "mon"),
+                                     *extra], timeout=600)
     return run
 
 
@@ -45,6 +46,12 @@ def _common(ckpt, iteration):
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load_common_state_dict(str(ckpt / f"iter_{iteration:07d}"))
+
+
+def _sharded_keys(ckpt):
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    return sorted(load_sharded_metadata(str(ckpt / f"iter_{STEPS:07d}")))
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
@@ -76,7 +83,9 @@ def test_resumed_rl_run_repeats_the_uninterrupted_steps_and_alerts(tmp_path, fmt
         assert res.returncode == 0, res.stderr[-3000:]
         common = _common(proxy, STEPS)
         assert not {KEY, LOOP, "checkpoint_parts_per_rank"} & set(common)
-        assert not list((proxy / f"iter_{STEPS:07d}").glob("*rl_reference*"))
+        assert [k for k in _sharded_keys(full / "ckpt") if k.startswith("checkpoint_parts.")] == \
+            [f"checkpoint_parts.{REFERENCE}/shard_{r}_2" for r in (0, 1)]  # one per rank in the source
+        assert not [k for k in _sharded_keys(proxy) if k.startswith("checkpoint_parts.")]
 
 
 def test_rl_resume_needs_load(capsys):
