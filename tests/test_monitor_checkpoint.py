@@ -131,3 +131,25 @@ def test_tensorboard_dir_gets_trainer_and_monitor_tags(full):
     assert sorted(entropy) == [r["step"] for r in router]
     for r in router:
         assert entropy[r["step"]] == pytest.approx(r["layers"]["0"]["entropy"], rel=1e-6)
+
+
+def test_a_newer_state_layout_is_refused_with_one_line():
+    """A saved state of a layout this code does not know is refused, naming where it came from; none is a no-op."""
+    from mindspeed_proxy.monitor.state import MonitorPart, StateVersionError
+
+    class Monitor:
+        loaded = None
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    part = MonitorPart(Monitor())
+    with pytest.raises(StateVersionError) as info:
+        part.load_state_dict({"version": 2}, where="ckpt/iter_0000008")
+    assert str(info.value) == ("ckpt/iter_0000008: mechanism monitor state version 2 is not supported "
+                               "(this mindspeed-proxy reads versions 1..1)")
+    assert isinstance(info.value, ValueError) and part.monitor.loaded is None  # the trainer's exit-2 path
+    part.load_state_dict(None)
+    assert part.monitor.loaded is None and part.restored_from is None
+    part.load_state_dict({"version": 1, "disabled": []}, where="x")
+    assert part.monitor.loaded == {"version": 1, "disabled": []} and part.restored_from == "x"
