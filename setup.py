@@ -26,7 +26,10 @@ setup(
     ],
     extras_require={
         # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn"],
+        # tensorboard: the tests read the monitor's tags back from the event files
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn",
+                 "tensorboard"],
+        "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         "report": ["matplotlib"],
         "npu": ["torch_npu"],
         # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)

@@ -12,6 +12,9 @@
 - Megatron-LM's `load_checkpoint`: after a load the monitor retakes the weight snapshots it holds
   (`weights_loaded`), so no ΔW spans the load. The monitor is built with the optimizer, before
   Megatron-LM's `setup_model_and_optimizer` loads `--load`.
+- Megatron-LM's `save_checkpoint` / `load_checkpoint` keep the monitor's state: patches/monitor_checkpoint.py.
+- The monitor takes the TensorBoard / wandb writers of `RUNTIME.writers()`: ours (--tensorboard-dir of our
+  trainer / RL loop), else Megatron-LM's own (`initialize_megatron` created them before the optimizer).
 - Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them).
 """
 from __future__ import annotations
@@ -54,9 +57,10 @@ def get_megatron_optimizer_wrapper(original):
         if RUNTIME.config is not None:
             from mindspeed_proxy.monitor import MechanismMonitor
 
+            tensorboard_writer, wandb_writer = RUNTIME.writers()
             RUNTIME.monitor = MechanismMonitor(RUNTIME.config, model_chunks, optimizer,
-                                               tensorboard_writer=RUNTIME.tensorboard_writer,
-                                               wandb_writer=RUNTIME.wandb_writer, iteration=RUNTIME.iteration or 0)
+                                               tensorboard_writer=tensorboard_writer,
+                                               wandb_writer=wandb_writer, iteration=RUNTIME.iteration or 0)
             if RUNTIME.faults:
                 RUNTIME.monitor.log_record({"type": "faults", "faults": [
                     {"name": f.name, **f.params} for f in RUNTIME.faults]})
@@ -143,3 +147,6 @@ def register_all() -> None:
         ("megatron.training.initialize:parse_args", parse_args_wrapper, True, BEFORE_0_18),
     ]
     register_wrappers(rows, FEATURE)
+    from mindspeed_proxy.patches import monitor_checkpoint
+
+    monitor_checkpoint.register_all()  # the monitor's state inside Megatron-LM's own checkpoints

@@ -37,6 +37,17 @@ class MonitorRuntime:
             self.iteration = number
         return number
 
+    def writers(self) -> tuple:
+        """(TensorBoard, wandb) writers for the monitor: those set here, else Megatron-LM's own (global_vars:
+        `initialize_megatron` created them, on the last rank, before any optimizer exists), else None."""
+        tensorboard, wandb = self.tensorboard_writer, self.wandb_writer
+        if megatron_lm_args() is not None:
+            from megatron.training import global_vars
+
+            tensorboard = tensorboard if tensorboard is not None else global_vars.get_tensorboard_writer()
+            wandb = wandb if wandb is not None else global_vars.get_wandb_writer()
+        return tensorboard, wandb
+
     def reset(self) -> None:
         """Forget the monitor (tests, or a second model in the same process)."""
         if self.monitor is not None:

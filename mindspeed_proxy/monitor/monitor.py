@@ -18,7 +18,7 @@ from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import GAP_CAUSES, ROUTING_MISMATCH, Alert, DetectorBank
 from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
-from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
+from mindspeed_proxy.monitor.sinks import WRITER_SINKS, build_sinks, scalar_tags
 from mindspeed_proxy.monitor.spectral_family import SpectralFamilies
 from mindspeed_proxy.monitor.targets import collect
 from mindspeed_proxy.monitor.threads import single_threaded
@@ -74,8 +74,10 @@ class MechanismMonitor(SpectralFamilies):
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
-        self.sinks = build_sinks(cfg.sinks, cfg.output_dir, tensorboard_writer, wandb_writer) \
-            if self.is_logging_rank else []
+        # files on the logging rank; a TensorBoard / wandb writer on whichever rank its owner created it (Megatron-LM:
+        # the last rank), since every rank holds the same results
+        self.sinks = build_sinks(cfg.sinks if self.is_logging_rank else [k for k in cfg.sinks if k in WRITER_SINKS],
+                                 cfg.output_dir, tensorboard_writer, wandb_writer)
         self.alerts: list = []
         self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)
         self.gap_cause: Optional[str] = None  # dominant term of the last gap decomposition fed to the rl family

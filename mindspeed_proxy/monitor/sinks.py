@@ -113,6 +113,9 @@ class WriterSink:
             flush()
 
 
+WRITER_SINKS = ("tensorboard", "wandb")  # sinks that write to a writer object someone else owns
+
+
 def build_sinks(kinds: Iterable[str], output_dir: str, tensorboard_writer=None, wandb_writer=None) -> list:
     """Sinks named in `kinds`; tensorboard/wandb only when a writer object is given."""
     sinks: list = []

@@ -56,8 +56,9 @@ def close_group() -> None:
 
 def is_model_key(key: str) -> bool:
     """True for model entries (not optimizer state, RNG or rerun-state-machine records: megatron-core 0.19
-    saves the latter always, per source rank, and Megatron-LM's --finetune load does not ask for it)."""
-    return not key.startswith(("optimizer.", "rng_state", "rerun_state_machine_state"))
+    saves the latter always, per source rank, and Megatron-LM's --finetune load does not ask for it; nor the
+    per-rank checkpoint parts of our RL loop, e.g. its reference policy: training/checkpoint_parts.py)."""
+    return not key.startswith(("optimizer.", "rng_state", "rerun_state_machine_state", "checkpoint_parts."))
 
 
 def is_stacked(key: str) -> bool:

@@ -76,6 +76,9 @@ def build_parser(prog: str, rl: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--rl-save-expert-usage", default=None, metavar="FILE",
                    help="write the tokens routed to each expert over the run (training passes, all ranks) as "
                         "convert_to_proxy.py's --usage-file JSON")
+    g.add_argument("--rl-resume", action="store_true",
+                   help="continue the RL run saved in --load (step, optimizer, RNG, reference policy, monitor "
+                        "state; mindspeed_proxy/rl/resume.py); without it --load reads the weights only")
     g.add_argument("--rl-routing-replay", choices=list(MODES), default="off",
                    help="r2: replay the training pass's own first pass; r3: replay the rollout's routing")
     g.add_argument("--rl-gap-interval", type=int, default=0, metavar="N",

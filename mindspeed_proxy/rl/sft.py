@@ -24,6 +24,8 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.tasks import sft_batch, step_prompts
     from mindspeed_proxy.rl.train import phase, setup
     from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.patches.runtime import RUNTIME
+    from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir, stop_nonfinite
 
     args, task, trainer, _ = setup(argv, prog, rl=False)
@@ -39,6 +41,7 @@ def main(argv=None, prog: str = PROG) -> int:
         step_time = time.perf_counter() - t0
         metrics.write({"type": "step", "iteration": it + 1, "loss": result["loss"], "grad_norm": result["grad_norm"],
                        "lr": result["lr"], "skipped": result["skipped"], "step_time_s": step_time})
+        W.log_scalars(RUNTIME.tensorboard_writer, it + 1, result, W.STEP_SCALARS, "sft")
         if result["nonfinite"] and args.check_for_nan_in_loss_and_grad:
             metrics.close()
             stop_nonfinite(prog, it + 1, args)
@@ -58,6 +61,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank0:
             print(f" saved {args.ckpt_format} checkpoint at iteration {args.train_iters} to {args.save}")
     metrics.close()
+    W.close(RUNTIME.tensorboard_writer)
     finish_distributed(args)
     return 0
 

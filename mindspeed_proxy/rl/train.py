@@ -4,7 +4,8 @@ Each step: sample `--grpo-group-size` rollouts of each prompt (no grad, fixed sh
 recorded), score them, recompute the old and reference logprobs (with R2/R3 routing replay),
 take the GRPO optimizer step(s) through Megatron's schedule, DDP and optimizer, reduce the RL
 metrics over data-parallel ranks, write one metrics.jsonl record and hand the rl family to the
-mechanism monitor. `--load` reads the weights (the optimizer starts fresh, as with --finetune).
+mechanism monitor. `--load` reads the weights (the optimizer starts fresh, as with --finetune);
+`--load DIR --rl-resume` continues the RL run saved in DIR (rl/resume.py).
 """
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def setup(argv, prog: str, rl: bool = True):
     """Parse, validate, start megatron-core and build the Trainer (+ load); returns (args, task, trainer, faults)."""
     quiet_optional_kernels()
     from mindspeed_proxy.faults.spec import parse_fault
+    from mindspeed_proxy.rl import resume
     from mindspeed_proxy.rl.arguments import parse
     from mindspeed_proxy.rl.tasks import build_task
     from mindspeed_proxy.training import arguments as A
     from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.loop import init_distributed, resolve_log_dir
 
     monitor_config = None
@@ -67,6 +70,8 @@ def setup(argv, prog: str, rl: bool = True):
 
             monitor_config = monitor_config_from_args(args, default_output_dir(resolve_log_dir(args)))
         load_format = C.checkpoint_format(args.load) if args.load else None
+        resume.check(args)
+        W.check_available(args.tensorboard_dir)
         init_distributed(args)
     except ValueError as exc:
         fail(prog, str(exc))
@@ -76,8 +81,10 @@ def setup(argv, prog: str, rl: bool = True):
     if monitor_config is not None or faults:
         from mindspeed_proxy import patches
 
-        RUNTIME.iteration = 0
+        RUNTIME.iteration = resume.resume_iteration(args)
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
+    RUNTIME.tensorboard_writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() == (
+        monitor_config.log_rank if monitor_config is not None else 0)) or RUNTIME.tensorboard_writer
     from mindspeed_proxy.training.engine import Trainer
 
     replay.reset_instances()
@@ -88,7 +95,7 @@ def setup(argv, prog: str, rl: bool = True):
         per_step = args.grpo_prompts_per_step * args.grpo_group_size * args.grpo_iterations // args.global_batch_size
         train_cfg.train_iters = args.train_iters * per_step
     trainer = Trainer(model_cfg, train_cfg)
-    if args.load:
+    if args.load and not getattr(args, "rl_resume", False):  # --rl-resume: main() loads everything (rl/resume.py)
         loader = C.loader(load_format)
         try:
             loader(args.load, trainer, load_optim=False, load_rng=False)
@@ -256,11 +263,13 @@ def main(argv=None, prog: str = PROG) -> int:
     quiet_optional_kernels()
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl.arguments import grpo_config
+    from mindspeed_proxy.rl import resume
     from mindspeed_proxy.rl.observe import rl_family
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.update import GRPOEngine
     from mindspeed_proxy.rl.weights import snapshot
     from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir
 
     args, task, trainer, faults = setup(argv, prog)
@@ -273,10 +282,14 @@ def main(argv=None, prog: str = PROG) -> int:
     ref_weights = snapshot(engine.model)
     metrics = MetricsWriter(resolve_log_dir(args), args, enabled=rank0)
     state = {"opt_step": 0}
-    monitor = RUNTIME.monitor
+    monitor, writer = RUNTIME.monitor, RUNTIME.tensorboard_writer
     saver = C.saver(args.ckpt_format)
-    evaluations = [_evaluate(args, task, sampler, metrics, 0)]
-    for step in range(1, args.train_iters + 1):
+    parts = resume.parts(monitor, state, ref_weights, history)
+    start = resume.load(args, trainer, parts, prog) if args.rl_resume else 0
+    if args.rl_resume and monitor is not None:
+        monitor.weights_loaded()
+    evaluations = [None if args.rl_resume else _evaluate(args, task, sampler, metrics, 0)]
+    for step in range(start + 1, args.train_iters + 1):
         try:
             record = rl_step(step, args, task, trainer, engine, sampler, faults, ref_weights, history, state)
         except NonFiniteStep as exc:
@@ -285,10 +298,12 @@ def main(argv=None, prog: str = PROG) -> int:
                 print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             if monitor is not None:
                 monitor.close()
+            W.close(writer)
             finish_distributed(args)
             raise SystemExit(1) from None
         record["faults"] = [f.name for f in faults if f.active(step)]
         metrics.write(record)
+        W.log_scalars(writer, step, record, W.RL_SCALARS, "rl")
         if monitor is not None:
             monitor.on_rl_step(step, rl_family(record))
         if rank0 and step % args.log_interval == 0:
@@ -298,7 +313,8 @@ def main(argv=None, prog: str = PROG) -> int:
                   f"|dlogp| {record['mismatch_abs_logp_mean']:.2e} | grad {record['grad_norm'] or 0:.3f} | "
                   f"{record['step_time_s'] * 1000:.0f} ms", flush=True)
         if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
-            saver(args.save, step, trainer, args)
+            parts[resume.LOOP].step = step
+            saver(args.save, step, trainer, args, parts=parts)
     evaluations.append(_evaluate(args, task, sampler, metrics, args.train_iters))
     if args.rl_save_expert_usage and "usage" in state:
         write_usage(args.rl_save_expert_usage, engine.model, state["usage"])
@@ -312,6 +328,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank0:
             print(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
+    W.close(writer)
     finish_distributed(args)
     return 0
 

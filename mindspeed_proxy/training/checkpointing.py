@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
+from mindspeed_proxy.training import checkpoint_parts as parts_io
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -85,8 +86,10 @@ def _write_tracker(root: str, iteration: int) -> None:
         os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def save_legacy(root: str, iteration: int, trainer, args) -> str:
-    """Write Megatron-LM's legacy `torch` checkpoint of `trainer` at `iteration`; return this rank's dir."""
+def save_legacy(root: str, iteration: int, trainer, args, parts: dict | None = None) -> str:
+    """Write Megatron-LM's legacy `torch` checkpoint of `trainer` at `iteration`; return this rank's dir.
+
+    `parts` ({name: Stateful}, checkpoint_parts) become more keys of the rank file."""
     from megatron.core import parallel_state as ps
 
     rank_dir = legacy_rank_dir(
@@ -106,6 +109,7 @@ def save_legacy(root: str, iteration: int, trainer, args) -> str:
         state["opt_param_scheduler"] = trainer.scheduler.state_dict()
         state["rng_state"] = [rng_state()]
         state["num_floating_point_operations_so_far"] = 0
+        state.update(parts_io.legacy_entries(parts))
         os.makedirs(rank_dir, exist_ok=True)
         torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
     torch.distributed.barrier()
@@ -115,11 +119,11 @@ def save_legacy(root: str, iteration: int, trainer, args) -> str:
 
 
 def load_legacy(root: str, trainer, iteration: int | None = None, load_optim: bool = True,
-                load_rng: bool = True) -> dict:
+                load_rng: bool = True, parts: dict | None = None) -> dict:
     """Load this rank's legacy checkpoint into `trainer`; return the checkpoint's non-tensor fields.
 
     `load_optim=False` keeps the fresh optimizer and scheduler (Megatron's --no-load-optim / --finetune);
-    `load_rng=False` keeps this run's RNG state (--no-load-rng)."""
+    `load_rng=False` keeps this run's RNG state (--no-load-rng); `parts` get their saved state."""
     from megatron.core import parallel_state as ps
 
     iteration = read_tracker(root) if iteration is None else iteration
@@ -148,6 +152,7 @@ def load_legacy(root: str, trainer, iteration: int | None = None, load_optim: bo
         trainer.optimizer.reload_model_params()  # fp32 main params from the loaded model weights
     if load_rng:
         set_rng_state(state["rng_state"][0])
+    parts_io.restore(parts, state, iteration_dir(root, iteration))
     return {"iteration": state["iteration"], "args": state["args"]}
 
 
@@ -184,8 +189,10 @@ def _sharded_state(trainer, is_loading: bool, with_optim: bool = True, with_rng:
     return state
 
 
-def save_dist(root: str, iteration: int, trainer, args) -> str:
-    """Write a `torch_dist` checkpoint through megatron-core dist_checkpointing; return its folder."""
+def save_dist(root: str, iteration: int, trainer, args, parts: dict | None = None) -> str:
+    """Write a `torch_dist` checkpoint through megatron-core dist_checkpointing; return its folder.
+
+    `parts` ({name: Stateful}, checkpoint_parts) go to the common state, or per rank when they say so."""
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(root, iteration)
@@ -196,6 +203,7 @@ def save_dist(root: str, iteration: int, trainer, args) -> str:
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                  opt_param_scheduler=trainer.scheduler.state_dict(),
                  num_floating_point_operations_so_far=0)
+    state.update(parts_io.dist_entries(parts))
     metadata = {k: v for k, v in _sharding_metadata(trainer).items() if k != "dp_cp_group"}
     dist_checkpointing.save(state, folder, content_metadata=metadata)
     torch.distributed.barrier()
@@ -268,7 +276,7 @@ def _current_layout() -> tuple:
 
 
 def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool = True,
-              load_rng: bool = True) -> dict:
+              load_rng: bool = True, parts: dict | None = None) -> dict:
     """Load a `torch_dist` checkpoint into `trainer` (any TP/PP/EP it was saved with); flags as load_legacy."""
     from megatron.core import dist_checkpointing
 
@@ -290,6 +298,7 @@ def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool
     if load_optim:
         _ensure_optimizer_state(trainer.optimizer)
     request = _sharded_state(trainer, is_loading=True, with_optim=load_optim, with_rng=load_rng)
+    request.update(parts_io.dist_requests(parts, common, f"--load {root}"))
     loaded = dist_checkpointing.load(request, folder)
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
@@ -306,6 +315,7 @@ def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool
     if load_rng:
         rng = loaded["rng_state"]
         set_rng_state(rng[0] if isinstance(rng, list) else rng)
+    parts_io.restore(parts, {**common, **{k: v for k, v in loaded.items() if k in (parts or {})}}, folder)
     return {"iteration": common["iteration"], "args": common["args"]}
 
 

@@ -13,9 +13,6 @@ import torch
 from mindspeed_proxy.training import arguments as A
 
 
-MONITOR_STATE = "mechanism_monitor_state.json"
-
-
 def _active_monitor():
     from mindspeed_proxy.patches.runtime import RUNTIME
 
@@ -137,13 +134,16 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     args = parser.parse_args(argv)
     from mindspeed_proxy import data
     from mindspeed_proxy.training import checkpointing as C
+    from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.engine import Trainer, microbatch_sample_ids
+    from mindspeed_proxy.monitor.state import KEY as MONITOR_KEY, MonitorPart
 
     try:
         A.check_finite(parser, args)
         A.validate_static(args)
         if args.data_path:
             data.validate_data_prefix(args.data_path)
+        W.check_available(args.tensorboard_dir)
         load_format = C.checkpoint_format(args.load) if args.load else None
         monitor_config = None
         if args.inject_fault:
@@ -173,14 +173,22 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
 
         RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
+    writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() ==
+                            (monitor_config.log_rank if monitor_config is not None else 0))
+    if writer is not None:
+        from mindspeed_proxy.patches.runtime import RUNTIME
+
+        RUNTIME.tensorboard_writer = writer  # the monitor is built with the optimizer, in Trainer()
     trainer = Trainer(A.model_config(args), A.train_config(args))
     monitor = _active_monitor()
+    parts = {MONITOR_KEY: MonitorPart(monitor)} if monitor is not None else {}
     start = 0
     if args.load:
         loader = C.loader(load_format)
         try:
             info = loader(args.load, trainer, load_optim=not (args.finetune or args.no_load_optim),
-                          load_rng=not (args.finetune or args.no_load_rng))
+                          load_rng=not (args.finetune or args.no_load_rng),
+                          parts=None if args.finetune else parts)
         except ValueError as exc:  # every rank refuses alike; nothing has been written yet
             if rank0:
                 print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -189,9 +197,6 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
         if monitor is not None:
             monitor.weights_loaded()
-        state_file = os.path.join(C.iteration_dir(args.load, info["iteration"]), MONITOR_STATE)
-        if monitor is not None and not args.finetune and os.path.isfile(state_file):
-            monitor.load_state_dict(json.load(open(state_file, encoding="utf-8")))
     log_dir = resolve_log_dir(args)
     metrics = MetricsWriter(log_dir, args, enabled=rank0)
     saver = C.saver(args.ckpt_format)
@@ -209,6 +214,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
                        "grad_norm": result["grad_norm"], "lr": result["lr"],
                        "tokens_per_s": tokens / seconds, "step_time_s": seconds,
                        "skipped": result["skipped"]})
+        W.log_scalars(writer, step, result, W.STEP_SCALARS, "train")
         if result["nonfinite"] and args.check_for_nan_in_loss_and_grad:
             metrics.close()
             stop_nonfinite(prog, step, args)
@@ -216,15 +222,13 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
             _print_rank0(_format_step(step, args.train_iters, step * args.global_batch_size,
                                       seconds * 1000, result, args.global_batch_size, skipped))
         if args.save and (step == args.train_iters or (args.save_interval and step % args.save_interval == 0)):
-            saver(args.save, step, trainer, args)
-            if monitor is not None and rank0:
-                with open(os.path.join(C.iteration_dir(args.save, step), MONITOR_STATE), "w", encoding="utf-8") as fh:
-                    json.dump(monitor.state_dict(), fh)
+            saver(args.save, step, trainer, args, parts=parts)
             _print_rank0(f" saved {args.ckpt_format} checkpoint at iteration {step} to {args.save}")
     metrics.close()
     _print_rank0(f" metrics written to {metrics.path}")
     if monitor is not None:
         _print_rank0(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
+    W.close(writer)
     finish_distributed(args)
     return 0
