@@ -1,0 +1,188 @@
+"""The mechanism monitor on DeepSpeed: a tiny Qwen3-MoE (transformers) on 2 gloo ranks under ZeRO-1/2/3 gives the
+same monitor values as the same model trained in 1 process without DeepSpeed; monitoring leaves the losses
+bit-identical; a failing statistic is disabled on every rank and training goes on; ranks that own no layer
+or fail alone leave no collective unmatched.
+
+Tolerances (fp32): router statistics 1e-5 relative, spectral statistics 2e-3 relative (ΔW over 2 steps of
+lr 1e-2 is ~1e-2 of W; DP reduction order moves it by ~1e-6 relative, its small singular values more),
+losses 1e-5 relative. The HF layout (GQA, q/k norms) is checked against a float64 dense reference.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+from mindspeed_proxy.testing import run_distributed  # noqa: E402
+
+STEPS = 4
+MICRO, SEQ, VOCAB = 2, 16, 64
+MONITOR = {"interval": 2, "delta": 2, "router_interval": 2, "qk_terms": ["delta1", "delta2"],
+           "experts_per_layer": 2, "sinks": [], "families": ["attention-spectral", "update-spectral", "router"]}
+ROUTER_RTOL, SPECTRAL_RTOL, LOSS_RTOL = 1e-5, 2e-3, 1e-5
+
+
+def tiny_model():
+    """A 2-layer Qwen3-MoE: 4 query heads on 2 KV heads with q/k norms, 8 experts top-2 (same on every rank)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+                         attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # the gate starts at zero in transformers: give the router something to route with
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return model.train()
+
+
+def global_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (2 * MICRO, SEQ), generator=g)
+
+
+def ds_config(stage):
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "mechanism_monitor": dict(MONITOR)}
+
+
+def _train_ds(stage, monitored, fail_rank=None, layers=None):
+    import deepspeed
+    import torch.distributed as dist
+
+    from mindspeed_proxy.hosts.deepspeed import attach_monitor
+
+    config = ds_config(stage)
+    if layers is not None:
+        config["mechanism_monitor"]["layers"] = layers
+    model = tiny_model()
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    monitor = attach_monitor(engine, config) if monitored else None
+    rank = dist.get_rank()
+    if monitor is not None and fail_rank == rank:
+        def broken(*args):
+            raise RuntimeError("injected failure in the attention-spectral family")
+        monitor._layer_qk = broken
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if monitor is not None:
+            monitor.step()
+        losses.append(loss.item())
+    out = {"losses": losses}
+    if monitor is not None:
+        out.update(last=monitor.last, disabled=sorted(monitor.disabled), failures=sorted(monitor._failures))
+        monitor.close()
+    engine.destroy()
+    return out
+
+
+def zero_stages():
+    """Per stage: the monitored run and the unmonitored run's losses (one process per rank for all of them)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return {stage: (_train_ds(stage, True), _train_ds(stage, False)["losses"]) for stage in (1, 2, 3)}
+
+
+def failing_rank():
+    """Rank 1 owns the only monitored layer and its QK statistic raises there."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return _train_ds(2, True, fail_rank=1, layers=[1]), _train_ds(2, False)["losses"]
+
+
+def single_process():
+    """The same model and global batches, 1 process, torch AdamW, no DeepSpeed, the monitor stepped by hand."""
+    from mindspeed_proxy.hosts.hf_monitor import HFMonitor
+
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    monitor = HFMonitor(MONITOR, model)
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)
+        # DeepSpeed averages the two ranks' mean losses; equal token counts make that the global mean
+        loss = (model(input_ids=ids[:MICRO], labels=ids[:MICRO]).loss
+                + model(input_ids=ids[MICRO:], labels=ids[MICRO:]).loss) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        monitor.after_optimizer_step(step + 1)
+        losses.append(loss.item())
+    out = {"losses": losses, "last": monitor.last}
+    monitor.close()
+    return out
+
+
+def _close(a, b, rtol, where):
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            _close(a[k], b[k], rtol, f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, rtol, f"{where}[{i}]")
+    else:
+        assert math.isfinite(a) and math.isfinite(b), f"{where}: {a} vs {b}"
+        assert abs(a - b) <= rtol * max(abs(b), 1e-3), f"{where}: {a} vs {b} (rtol {rtol})"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process()
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return run_distributed(zero_stages, 2, timeout=600)
+
+
+def test_reference_samples_every_family(reference):
+    last = reference["last"]
+    assert {"router", "update-spectral", "attention-spectral"} <= set(last)
+    assert all(s["step"] == STEPS for s in last.values())
+    assert sorted(last["router"]["layers"]) == [0, 1] and sorted(last["attention-spectral"]["layers"]) == [0, 1]
+    slots = set(last["update-spectral"]["layers"][1])
+    assert {"linear_qkv", "linear_proj", "router", "expert0.fc1", "expert4.fc2"} <= slots
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_single_process(stages, reference, stage):
+    for rank, (run, _) in enumerate(s[stage] for s in stages):
+        _close(run["losses"], reference["losses"], LOSS_RTOL, f"rank {rank} losses")
+        last, ref = run["last"], reference["last"]
+        assert run["disabled"] == ["expert-features", "rl"] or run["disabled"] == ["rl"], run["disabled"]
+        for family, rtol in (("router", ROUTER_RTOL), ("update-spectral", SPECTRAL_RTOL),
+                             ("attention-spectral", SPECTRAL_RTOL)):
+            assert last[family]["step"] == ref[family]["step"] == STEPS
+            _close(last[family]["layers"], ref[family]["layers"], rtol, f"ZeRO-{stage} rank {rank} {family}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_monitoring_leaves_losses_bit_identical(stages, stage):
+    for rank, (run, plain) in enumerate(s[stage] for s in stages):
+        assert run["losses"] == plain, f"ZeRO-{stage} rank {rank}: monitored {run['losses']} != {plain}"
+
+
+def test_failure_on_one_rank_disables_the_family_everywhere_and_training_goes_on():
+    runs = run_distributed(failing_rank, 2, timeout=300)  # a collective left unmatched would time out
+    for rank, (run, plain) in enumerate(runs):
+        assert "attention-spectral" in run["disabled"], (rank, run["disabled"])
+        assert "attention-spectral" not in run["last"]
+        assert run["losses"] == plain
+        # the surviving families still sample the one monitored layer, owned by rank 1 only
+        assert sorted(run["last"]["update-spectral"]["layers"]) == [1]
+        assert sorted(run["last"]["router"]["layers"]) == [1]
+    assert runs[1]["failures"] == ["attention-spectral"] and runs[0]["failures"] == ["attention-spectral"]
