@@ -156,10 +156,11 @@ def collect(model: torch.nn.Module, matrices, experts_per_layer: int, layers=Non
             continue
         layer = Layer(index)
         attn = getattr(module, "self_attn", None)
-        if attn is not None and hasattr(attn, "q_proj"):
+        if attn is not None and hasattr(attn, "o_proj"):
+            add(layer, "linear_proj", [(attn.o_proj.weight, _whole)])
+        if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):  # not MLA
             add(layer, "linear_qkv", [(attn.q_proj.weight, _whole), (attn.k_proj.weight, _whole),
                                       (attn.v_proj.weight, _whole)])
-            add(layer, "linear_proj", [(attn.o_proj.weight, _whole)])
             norm = [getattr(getattr(attn, n, None), "weight", None) for n in ("q_norm", "k_norm")]
             layer.attention = Attention(attn.q_proj.weight, attn.k_proj.weight, *norm, num_heads,
                                         config.num_key_value_heads, head_dim)
