@@ -3,9 +3,9 @@ same monitor values as the same model trained in 1 process without DeepSpeed; mo
 bit-identical; a failing statistic is disabled on every rank and training goes on; ranks that own no layer
 or fail alone leave no collective unmatched.
 
-Tolerances (fp32): router statistics 1e-5 relative, spectral statistics 2e-3 relative (ΔW over 2 SGD
-steps; the DP reduction order moves it by ~1e-7 relative, its small singular values more),
-losses 1e-5 relative. The HF layout (GQA, q/k norms) is checked against a float64 dense reference.
+Tolerances (fp32, measured max in brackets): router statistics 1e-6 relative (1.1e-7), spectral statistics
+1e-5 (ZeRO-1/2: identical; ZeRO-3: 7.6e-7), the mean loss over ranks 1e-6 (6e-8). The HF layout (GQA, q/k
+norms) is checked against a float64 dense reference.
 """
 import math
 
@@ -21,9 +21,8 @@ STEPS = 4
 MICRO, SEQ, VOCAB = 2, 16, 64
 MONITOR = {"interval": 2, "delta": 2, "router_interval": 2, "qk_terms": ["delta1", "delta2"],
            "experts_per_layer": 2, "sinks": [], "families": ["attention-spectral", "update-spectral", "router"]}
-ROUTER_RTOL, SPECTRAL_RTOL, LOSS_RTOL = 1e-5, 2e-3, 1e-5
-# SGD: Adam's g/(√v + eps) turns the ~1e-7 differences of the DP-averaged near-zero gradient entries into
-# steps of ~lr (with AdamW the 1-process and 2-rank losses part by 2e-4 at the third step)
+ROUTER_RTOL, SPECTRAL_RTOL, LOSS_RTOL = 1e-6, 1e-5, 1e-6
+# plain SGD and no clipping on both sides, so the reference is a few lines of torch
 LR = 0.5
 
 
@@ -50,7 +49,7 @@ def global_batch(step):
 
 def ds_config(stage):
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0,  # DeepSpeed's default: 1.0
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             "mechanism_monitor": dict(MONITOR)}
 
