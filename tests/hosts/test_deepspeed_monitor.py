@@ -237,3 +237,24 @@ def test_hf_layout_matches_float64_dense_reference():
         for stat in ("entropy", "stable_rank", "top1_energy", "frobenius", "effective_rank"):
             _close(upd[li]["linear_qkv"][stat], ref[stat], 1e-4, f"layer {li} linear_qkv {stat}")
     monitor.close()
+
+
+def test_bad_config_and_model_are_one_line_errors(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mindspeed_proxy.hosts.deepspeed import monitor_config
+    from mindspeed_proxy.hosts.hf_monitor import HFMonitor
+
+    assert monitor_config(ds_config(2)).interval == MONITOR["interval"]
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2}')
+    with pytest.raises(ValueError, match=r'ds\.json: no "mechanism_monitor" block'):
+        monitor_config(str(path))
+    bad = {**ds_config(2), "mechanism_monitor": {"intervall": 3}}
+    with pytest.raises(ValueError, match=r"mechanism_monitor.*unknown monitor config keys: \['intervall'\]"):
+        monitor_config(bad)
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not supported") as err:
+        HFMonitor(MONITOR, dense)
+    assert "\n" not in str(err.value)
