@@ -89,11 +89,15 @@ class HFMonitor(MechanismMonitor):
     # ---------------------------------------------------------------- hooks
     def _gate_hook(self, layer: int):
         def hook(module, inputs, output):
-            if not (module.training and torch.is_grad_enabled()):
+            if not (module.training and torch.is_grad_enabled()) or "router" in self.disabled:
                 return  # training forwards only (no eval / generation passes)
-            logits, indices = output[0], output[2] if isinstance(output, tuple) and len(output) > 2 else None
-            if self.targets.sigmoid:  # softmax(log σ) = σ/Σσ, the normalised affinity
-                logits = torch.nn.functional.logsigmoid(logits.float())
+            try:
+                logits, indices = output[0], output[2] if isinstance(output, tuple) and len(output) > 2 else None
+                if self.targets.sigmoid:  # softmax(log σ) = σ/Σσ, the normalised affinity
+                    logits = torch.nn.functional.logsigmoid(logits.detach().float())
+            except Exception:
+                self._fail("router")  # agreed over ranks and reported at the next router sample
+                return
             self.on_router_logits(layer + 1, logits, indices)
         return hook
 
@@ -116,17 +120,23 @@ class HFMonitor(MechanismMonitor):
         self._snapshot_taken = True
         device = torch.device("cpu") if self.config.snapshot_on_cpu else None
         for layer in self.targets.layers:
-            with self.gather(layer.params()):
-                if not self.owns(layer.index):
-                    continue
-                for slot in layer.slots:
-                    self.snapshots[("w", layer.index, slot.index)] = slot.read(self._full).to(
-                        device=device, dtype=torch.float32, copy=True)
-                a = layer.attention
-                if a is not None:
-                    for p in (a.q, a.k, a.q_norm, a.k_norm):
-                        if p is not None:
-                            self.snapshots[("p", layer.index, id(p))] = self._full(p).to(device=device, copy=True)
+            with self.gather(layer.params()):  # every rank, every layer (a collective), outside the guard
+                if self.owns(layer.index):
+                    try:
+                        self._snapshot_layer(layer, device)
+                    except Exception:  # no W_{t-δ} for this layer: both spectral families stop, on every rank
+                        self._fail("update-spectral")
+                        self._fail("attention-spectral")
+
+    def _snapshot_layer(self, layer: hf_targets.Layer, device) -> None:
+        for slot in layer.slots:
+            self.snapshots[("w", layer.index, slot.index)] = slot.read(self._full).to(
+                device=device, dtype=torch.float32, copy=True)
+        a = layer.attention
+        if a is not None:
+            for p in (a.q, a.k, a.q_norm, a.k_norm):
+                if p is not None:
+                    self.snapshots[("p", layer.index, id(p))] = self._full(p).to(device=device, copy=True)
 
     # ---------------------------------------------------------------- spectral sample
     def _spectral_step(self, iteration: int) -> None:
