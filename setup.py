@@ -22,13 +22,15 @@ setup(
         "megatron-core>=0.12,<0.20",
         "packaging",
         "psutil",  # megatron dist_checkpointing imports it
+        "threadpoolctl",  # the monitor limits numpy's BLAS pool around its small calls (monitor/threads.py)
     ],
     extras_require={
         # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn"],
         "report": ["matplotlib"],
         "npu": ["torch_npu"],
-        "proxy": ["scipy", "scikit-learn", "tqdm"],
+        # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)
+        "proxy": ["scipy", "scikit-learn", "tqdm", "xxhash"],
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
         # transformers (tested on 5.23.0, which needs no newer torch) builds the tiny models of the tests
         "hf": ["safetensors>=0.8", "transformers==5.23.0"],

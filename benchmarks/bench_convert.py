@@ -1,18 +1,24 @@
-"""Conversion wall time vs `cp -r` and peak RSS vs the largest tensor, on synthetic legacy / torch_dist checkpoints.
+"""Converter per-byte speed vs `cp -r`, workers' speed-up and peak RSS, on synthetic legacy / torch_dist checkpoints.
 
-python benchmarks/bench_convert.py [--format legacy|torch_dist|both] [--gib 2.2] [--vocab 4096] [--repeat 1]
-                                   [--workdir DIR] [--before SRC_TREE]
+python benchmarks/bench_convert.py [--workdir D] [--size-gib 8] [--format legacy|torch_dist|both] [--workers 2]
+                                   [--no-cold] [--vocab 4096]
 
-Writes a checkpoint of about --gib GiB (EP4, 32 SequentialMLP experts of hidden 1024 / ffn 2048 per MoE
-layer, fp32, word embeddings [--vocab, 1024] and an untied output layer of the same shape; Megatron's key
-names and args fields): legacy = `iter_*/mp_rank_00_{ep:03d}/model_optim_rng.pt` as Megatron-LM writes
-it at TP1 EP4, torch_dist = megatron `dist_checkpointing.save` of the global keys with one chunk per
-(layer, expert) and the fc1 GLU halves as separate chunks, as megatron-core's SequentialMLP shards them.
-Then, --repeat times: `cp -r` of it, and `convert_to_proxy.py` to EP2=2, K=16 in a child process that
-reports its baseline RSS after imports, VmHWM, and sampled peaks of RssAnon / RssFile. One row per run,
-then per format the ratios against the targets (conversion <= 2x `cp -r` for legacy, <= 3x for torch_dist;
-peak RSS above the import baseline <= 2x the largest tensor). --before SRC_TREE (e.g. `git archive` of an
-older commit unpacked) also converts with that tree's code right after each run, on the same checkpoint.
+Per format, two synthetic checkpoints (--size-gib and half of it; EP4, 32 SequentialMLP experts per MoE layer,
+fp32, hidden 1024 / ffn 2048, scaled down below 1.5 GiB; word embeddings [--vocab, hidden] and an untied output
+layer; Megatron's key names and args): legacy = `iter_*/mp_rank_00_{ep:03d}/model_optim_rng.pt` as Megatron-LM
+writes it at TP1 EP4, torch_dist = megatron `dist_checkpointing.save` with one chunk per (layer, expert) and the
+fc1 GLU halves as separate chunks. Each is converted to EP2=2, K=8 (75% of the experts pruned) in a child
+process, timed against `cp -r` of the same folder:
+- warm: the source read once before (page cache warm for both sides), at both sizes, with --workers W, and the
+  large one again with --workers 1 (the workers' speed-up);
+- cold: caches dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`) before `cp -r` and before the conversion,
+  where this process may (root); skipped with --no-cold.
+The child reports its RSS after imports (baseline), its peak (VmHWM) and the largest peak of its worker
+processes (getrusage RUSAGE_CHILDREN). Printed: one row per run, then per format the ratios against the issue's
+targets (legacy <= 1.5x `cp -r`, torch_dist <= 2x on the large checkpoint; marginal s/GiB from the two sizes
+<= 1.2x `cp`'s; workers 1 -> W >= 1.6x; peak RSS above the baseline <= 2x the largest tensor, per worker) and
+a DeepSeek-V3-size estimate from the marginal cost and the RSS ratio. D is created if missing; everything
+written under it is removed at the end.
 """
 import argparse
 import json
@@ -27,6 +33,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, FFN, EXPERTS, EP = 1024, 2048, 32, 4
+TARGET_EP, TARGET_K = 2, 8  # 75% pruning
 
 
 def _args(layers: int, vocab: int, fmt: str):
@@ -142,7 +149,8 @@ def child_convert(argv: list) -> None:
     import mindspeed_proxy.proxy.convert  # noqa: F401
     from mindspeed_proxy.proxy import cli
 
-    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features"]
+    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features", "mindspeed_proxy.proxy.hashing",
+               "mindspeed_proxy.proxy.output_guard", "concurrent.futures.process", "multiprocessing"]
     if fmt == "torch_dist":
         modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.dist_io",
                     "mindspeed_proxy.proxy.dist_chunks", "mindspeed_proxy.proxy.dist_writer"]
@@ -168,6 +176,7 @@ def child_convert(argv: list) -> None:
     thread.join()
     end = _status()
     print("BENCH " + json.dumps({"rc": code, "baseline": baseline["VmRSS"], "hwm": end["VmHWM"],
+                                 "worker_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                                  "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                  "peak_anon": peaks["RssAnon"], "peak_file": peaks["RssFile"],
                                  "peak_shmem": peaks["RssShmem"], "baseline_anon": baseline["RssAnon"]}))
@@ -182,110 +191,201 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_one(fmt: str, src: str, work: str, largest: int, code: str = REPO, cp: tuple = None) -> dict:
-    """One `cp -r` (or the given `cp` = (seconds, CPU seconds)) and one conversion of `src` with the
-    mindspeed_proxy of tree `code`; the row's figures."""
-    copy, proxy = os.path.join(work, "copy"), os.path.join(work, "proxy")
+def can_drop_caches() -> bool:
+    """Whether this process may drop the page cache (root and a writable /proc/sys/vm/drop_caches)."""
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    """sync, then drop the page cache, dentries and inodes."""
     os.sync()
-    load_before = _load()
-    if cp is None:
-        t0, c0 = time.perf_counter(), _child_cpu()
-        subprocess.run(["cp", "-r", src, copy], check=True)
-        cp = (time.perf_counter() - t0, _child_cpu() - c0)
+    with open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3\n")
+
+
+def warm(root: str) -> None:
+    """Read every file under `root` once (page cache warm)."""
+    for base, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(base, name), "rb", buffering=0) as fh:
+                while fh.read(16 << 20):
+                    pass
+
+
+def _prepare(src: str, cold: bool) -> None:
+    if cold:
+        drop_caches()
+    else:
         os.sync()
-        shutil.rmtree(copy)
-    cp_s, cp_cpu = cp
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([code] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        warm(src)
+
+
+def time_cp(src: str, work: str, cold: bool) -> float:
+    """Seconds of `cp -r src` (its copy removed and synced after)."""
+    copy = os.path.join(work, "copy")
+    _prepare(src, cold)
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", src, copy], check=True)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(copy)
+    os.sync()
+    return seconds
+
+
+def time_convert(fmt: str, src: str, work: str, largest: int, workers: int, cold: bool) -> dict:
+    """One conversion of `src` in a child process; its seconds, CPU seconds and memory figures."""
+    proxy = os.path.join(work, "proxy")
+    _prepare(src, cold)
+    load_before = _load()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", fmt, "--load", src, "--save", proxy,
-                           "--target-expert-parallel-size", "2", "--target-num-experts", "16"],
-                          capture_output=True, text=True, env=env)
-    conv_s, conv_cpu = time.perf_counter() - t0, _child_cpu() - c0
+                           "--target-expert-parallel-size", str(TARGET_EP), "--target-num-experts", str(TARGET_K),
+                           "--workers", str(workers)], capture_output=True, text=True, env=env)
+    seconds, cpu = time.perf_counter() - t0, _child_cpu() - c0
     line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
     if proc.returncode or not line:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
-    mem = json.loads(line[0][6:])
     out_size = folder_bytes(proxy)
     shutil.rmtree(proxy)
-    return dict(mem, fmt=fmt if code == REPO else f"{fmt} (before)", size=folder_bytes(src), out_size=out_size,
-                cp_s=cp_s, conv_s=conv_s, largest=largest, cp_cpu=cp_cpu, conv_cpu=conv_cpu,
-                load=f"{load_before} -> {_load()}")
+    os.sync()
+    return dict(json.loads(line[0][6:]), seconds=seconds, cpu=cpu, out_size=out_size, largest=largest,
+                workers=workers, cold=cold, load=f"{load_before} -> {_load()}")
 
 
-def row(r: dict) -> str:
-    """A markdown table row of one run."""
+def dims(size_gib: float, vocab: int, ref_gib: float) -> tuple:
+    """(hidden, ffn, layers) giving a checkpoint of about `size_gib` GiB: the full shapes (one MoE layer =
+    0.75 GiB) when the reference (large) size holds 8 such layers, else shapes scaled down (multiples of 64)
+    so that it holds about 8; the layer count sets the size."""
+    full = EXPERTS * 3 * FFN * HIDDEN * 4
+    hidden = HIDDEN
+    if ref_gib * 2 ** 30 < 8 * full:
+        hidden = max(64, int(HIDDEN * (ref_gib * 2 ** 30 / (8 * full)) ** 0.5) // 64 * 64)
+    ffn = hidden * FFN // HIDDEN
+    per_layer, fixed = EXPERTS * 3 * ffn * hidden * 4, 2 * vocab * hidden * 4 * EP
+    return hidden, ffn, max(1, round((size_gib * 2 ** 30 - fixed) / per_layer))
+
+
+def make_checkpoint(fmt: str, root: str, size_gib: float, vocab: int, ref_gib: float) -> int:
+    """Write the synthetic checkpoint in a child process; return its largest tensor's bytes."""
+    hidden, ffn, layers = dims(size_gib, vocab, ref_gib)
+    writer = "write_legacy" if fmt == "legacy" else "write_dist"
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import bench_convert as b; "
+            f"b.HIDDEN, b.FFN = {hidden}, {ffn}; print(b.{writer}({root!r}, {layers}, {vocab}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-4000:])
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def row(fmt: str, size: int, cp_s: float, r: dict) -> str:
+    """A markdown table row of one conversion."""
     mib, big = 2 ** 20, r["largest"]
-    net = r["hwm"] - r["baseline"]
-    return (f"| {r['fmt']} | {r['size'] / 2**30:.2f} GiB | {big / mib:.0f} MiB | {r['cp_s']:.1f} s | "
-            f"{r['conv_s']:.1f} s | {r['conv_s'] / r['cp_s']:.2f}x | {r['cp_cpu']:.1f} / {r['conv_cpu']:.1f} s | "
-            f"{r['hwm'] / mib:.0f} MiB ({r['hwm'] / big:.1f}x) | "
+    net, worker = r["hwm"] - r["baseline"], max(0, r["worker_maxrss"] - r["baseline"])
+    return (f"| {fmt} {'cold' if r['cold'] else 'warm'} | {size / 2**30:.2f} GiB | {r['workers']} | {cp_s:.2f} s | "
+            f"{r['seconds']:.2f} s | {r['seconds'] / cp_s:.2f}x | {r['cpu']:.1f} s | {big / mib:.1f} MiB | "
             f"{r['baseline'] / mib:.0f} MiB | {net / mib:.0f} MiB ({net / big:.2f}x) | "
-            f"{(r['peak_anon'] - r['baseline_anon']) / mib:.0f} / {r['peak_file'] / mib:.0f} MiB | {r['load']} |")
+            f"{worker / mib:.0f} MiB ({worker / big:.2f}x) | {r['load']} |")
 
 
-HEADER = ("| format | size | largest tensor | `cp -r` | convert | time ratio (<= 2x legacy, 3x torch_dist) | "
-          "CPU s cp / convert | "
-          "peak RSS (VmHWM) | "
-          "baseline RSS after imports | peak - baseline (<= 2x) | peak anon above baseline / peak file-backed | "
-          "load avg before -> after |\n|" + " --- |" * 12)
+HEADER = ("| run | size | workers | `cp -r` | convert | convert / cp | CPU s (convert) | largest tensor | "
+          "baseline RSS | main peak - baseline | worker peak - baseline | load avg before -> after |\n|"
+          + " --- |" * 12)
+TARGETS = {"legacy": 1.5, "torch_dist": 2.0}
+# DeepSeek-V3 (public config.json): 671B parameters in bf16, 256 routed experts, hidden 7168, vocab 129280
+DSV3_BYTES, DSV3_LARGEST = 671e9 * 2, 129280 * 7168 * 2
 
 
-TIME_TARGET = {"legacy": 2.0, "torch_dist": 3.0}
+def verdict(value: float, limit: float, at_most: bool = True) -> str:
+    """'met' / 'NOT met' of value against limit."""
+    return "met" if (value <= limit if at_most else value >= limit) else "NOT met"
 
 
-def summary(fmt: str, rows: list) -> str:
-    """The ratios of this tree's runs of `fmt` against the targets, one line."""
-    times = [r["conv_s"] / r["cp_s"] for r in rows]
-    cpu = [r["conv_cpu"] / max(r["cp_cpu"], 1e-3) for r in rows]
-    mem = [(r["hwm"] - r["baseline"]) / r["largest"] for r in rows]
-    verdict = lambda values, limit: "met" if max(values) <= limit else "NOT met"  # noqa: E731
-    return (f"{fmt}: time ratio convert / cp -r {', '.join(f'{x:.2f}x' for x in times)} (target <= "
-            f"{TIME_TARGET[fmt]:.0f}x: {verdict(times, TIME_TARGET[fmt])}); CPU-time ratio "
-            f"{', '.join(f'{x:.2f}x' for x in cpu)}; peak RSS above baseline / largest tensor "
-            f"{', '.join(f'{x:.2f}x' for x in mem)} (target <= 2x: {verdict(mem, 2.0)})")
+def summary(fmt: str, res: dict, workers: int) -> list:
+    """The ratios of one format against the targets, and the DeepSeek-V3 estimate."""
+    big, small = res["big"], res["small"]
+    lines = []
+    for kind in ("warm", "cold"):
+        if kind in big:
+            r, cp_s = big[kind]
+            ratio = r["seconds"] / cp_s
+            lines.append(f"{fmt} {kind}: convert / cp -r = {r['seconds']:.2f} s / {cp_s:.2f} s = {ratio:.2f}x on "
+                         f"{big['size'] / 2**30:.2f} GiB (target <= {TARGETS[fmt]}x: {verdict(ratio, TARGETS[fmt])})")
+    (rb, cb), (rs, cs) = big["warm"], small["warm"]
+    gib = max(big["size"] - small["size"], 1) / 2 ** 30
+    conv_m, cp_m = (rb["seconds"] - rs["seconds"]) / gib, (cb - cs) / gib
+    m_ratio = conv_m / cp_m if cp_m > 0 else float("inf")
+    lines.append(f"{fmt} marginal s/GiB (warm, {small['size'] / 2**30:.2f} -> {big['size'] / 2**30:.2f} GiB): convert "
+                 f"{conv_m:.3f}, cp {cp_m:.3f}, ratio {m_ratio:.2f}x (target <= 1.2x: {verdict(m_ratio, 1.2)})")
+    one = big["workers1"]
+    speedup = one["seconds"] / rb["seconds"]
+    lines.append(f"{fmt} workers 1 -> {workers}: {one['seconds']:.2f} s -> {rb['seconds']:.2f} s = {speedup:.2f}x "
+                 f"(target >= 1.6x: {verdict(speedup, 1.6, at_most=False)})")
+    worst = max(max(r["hwm"], r["worker_maxrss"]) - r["baseline"] for r in (rb, one))
+    rss = worst / rb["largest"]
+    lines.append(f"{fmt} peak RSS above baseline, per process (main or worker): {worst / 2**20:.0f} MiB = {rss:.2f}x the "
+                 f"largest tensor ({rb['largest'] / 2**20:.1f} MiB) (target <= 2x: {verdict(rss, 2.0)})")
+    hours = max(conv_m, 0.0) * DSV3_BYTES / 2 ** 30 / 3600
+    lines.append(f"{fmt} DeepSeek-V3 estimate (671B params bf16 = {DSV3_BYTES / 2**40:.2f} TiB, 256 experts -> 64): "
+                 f"{hours:.2f} h at the measured marginal {conv_m:.3f} s/GiB with {workers} workers (cp -r: "
+                 f"{max(cp_m, 0.0) * DSV3_BYTES / 2**30 / 3600:.2f} h); peak RSS per process ~ baseline "
+                 f"{rb['baseline'] / 2**30:.2f} GiB + {rss:.2f} x the largest tensor (embedding 129280 x 7168 bf16, "
+                 f"{DSV3_LARGEST / 2**30:.2f} GiB) = {(rb['baseline'] + rss * DSV3_LARGEST) / 2**30:.1f} GiB "
+                 "(an estimate, scaled from this run)")
+    return lines
+
+
+def run_format(fmt: str, parent: str, a) -> dict:
+    """Both checkpoints of `fmt`: write, measure, remove."""
+    work = tempfile.mkdtemp(dir=parent, prefix=f"bench-convert-{fmt}-")
+    res = {}
+    try:
+        for name, size in (("big", a.size_gib), ("small", a.size_gib / 2)):
+            src = os.path.join(work, "src")
+            largest = make_checkpoint(fmt, src, size, a.vocab, a.size_gib)
+            entry = res[name] = {"size": folder_bytes(src)}
+            kinds = ["warm"] + (["cold"] if name == "big" and a.cold else [])
+            for kind in kinds:
+                cp_s = time_cp(src, work, kind == "cold")
+                r = time_convert(fmt, src, work, largest, a.workers, kind == "cold")
+                entry[kind] = (r, cp_s)
+                print(row(fmt, entry["size"], cp_s, r), flush=True)
+            if name == "big":
+                r = time_convert(fmt, src, work, largest, 1, False)
+                entry["workers1"] = r
+                print(row(fmt, entry["size"], entry["warm"][1], r), flush=True)
+            shutil.rmtree(src)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return res
 
 
 def main() -> None:
-    """Write the checkpoint(s), run the benchmark, print the table."""
+    """Parse the flags, run the measurements, print the rows and the ratios against the targets."""
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child_convert(sys.argv[2:])
         return
     p = argparse.ArgumentParser()
+    p.add_argument("--workdir", default=None, metavar="D", help="where the checkpoints go (created if missing)")
+    p.add_argument("--size-gib", type=float, default=8.0, help="the large checkpoint's size (the small one: half)")
     p.add_argument("--format", choices=["legacy", "torch_dist", "both"], default="both")
-    p.add_argument("--gib", type=float, default=2.2, help="approximate checkpoint size (sets the MoE layer count)")
-    p.add_argument("--vocab", type=int, default=4096, help="rows of the embedding / output layer (x 1024 fp32)")
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--before", default=None, metavar="SRC_TREE",
-                   help="also convert with the mindspeed_proxy of this source tree after each run (comparison)")
+    p.add_argument("--workers", type=int, default=2, help="--workers of the conversions (the speed-up: 1 -> this)")
+    p.add_argument("--no-cold", dest="cold", action="store_false", help="skip the dropped-cache runs")
+    p.add_argument("--vocab", type=int, default=4096, help="rows of the embedding / output layer")
     a = p.parse_args()
+    if a.workers < 1 or a.size_gib <= 0:
+        p.error("--workers must be >= 1 and --size-gib > 0")
+    if a.workdir:
+        os.makedirs(a.workdir, exist_ok=True)
+    if a.cold and not can_drop_caches():
+        print("cold runs: skipped (dropping the page cache needs root and a writable /proc/sys/vm/drop_caches)")
+        a.cold = False
     formats = ["legacy", "torch_dist"] if a.format == "both" else [a.format]
+    print(f"cores {os.cpu_count()}, load {_load()}, target EP{TARGET_EP} K={TARGET_K} of {EXPERTS} experts")
     print(HEADER, flush=True)
-    runs: dict = {}
-    for fmt in formats:
-        work = tempfile.mkdtemp(dir=a.workdir, prefix="bench-convert-")
-        try:
-            per_layer = EXPERTS * (3 * FFN * HIDDEN) * 4
-            fixed = 2 * a.vocab * HIDDEN * 4 * (EP if fmt == "legacy" else 1)
-            layers = max(1, round((a.gib * 2 ** 30 - fixed) / per_layer))
-            src = os.path.join(work, "src")
-            writer = write_legacy if fmt == "legacy" else write_dist
-            proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-                                   f"import bench_convert as b; print(b.{writer.__name__}({src!r}, {layers}, {a.vocab}))"],
-                                  capture_output=True, text=True, cwd=REPO)
-            if proc.returncode:
-                raise SystemExit(proc.stderr[-4000:])
-            largest = int(proc.stdout.strip().splitlines()[-1])
-            for _ in range(a.repeat):
-                runs.setdefault(fmt, []).append(run_one(fmt, src, work, largest))
-                print(row(runs[fmt][-1]), flush=True)
-                if a.before:
-                    cp = (runs[fmt][-1]["cp_s"], runs[fmt][-1]["cp_cpu"])
-                    print(row(run_one(fmt, src, work, largest, os.path.abspath(a.before), cp)), flush=True)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    for fmt, rows in runs.items():
-        print(summary(fmt, rows))
+    results = {fmt: run_format(fmt, a.workdir, a) for fmt in formats}
+    for fmt, res in results.items():
+        print("\n".join(summary(fmt, res, a.workers)))
 
 
 if __name__ == "__main__":

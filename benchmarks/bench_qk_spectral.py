@@ -1,6 +1,13 @@
 """Δ2 spectrum: compressed 2h×2h core (Gram, and the former thin-QR core) vs dense SVD of the formed d×d Δ2.
 
-    python benchmarks/bench_qk_spectral.py [--device cpu|cuda] [--quick] [--threads N]
+    python benchmarks/bench_qk_spectral.py [--device cpu|cuda] [--quick] [--threads N] [--profile]
+
+Every timing runs at 1 thread and at all cores (`--threads`, default the CPU count: torch's intra-op
+threads and the BLAS pools, set around each timed call), round-robin in one run, so that both see the
+same load. The monitor's cores limit themselves to one thread inside (`monitor/threads.py`); the dense
+SVD uses every thread it is given. The targets: ratio >= 1000x cold and steady at both counts, and the
+core's time at all cores <= its time at 1 thread. `--profile` times each stage of one head's core as raw
+calls (no limit) at both counts: the stages that slow down with threads.
 
 All paths run on the same fp32 inputs in the same process. The reference is a float64 dense SVD of
 Δ2 formed in float64 from those inputs. The dense 32-head layer time is extrapolated linearly from
@@ -23,8 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import contextmanager
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
 from mindspeed_proxy.monitor.spectral import (_psd_factor, qk_increment_singular_values, qk_increment_spectra,
@@ -32,6 +41,26 @@ from mindspeed_proxy.monitor.spectral import (_psd_factor, qk_increment_singular
 
 TARGET_RATIO = 1000.0
 TARGET_ERROR = 1e-4
+
+
+@contextmanager
+def thread_count(n: int):
+    """torch's intra-op threads and the BLAS pools at `n` inside, the previous settings back afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(n, user_api="blas"):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def at_threads(n: int, fn):
+    """`fn` wrapped to run at `n` threads."""
+    def run():
+        with thread_count(n):
+            return fn()
+    return run
 
 
 def sync(device: torch.device) -> None:
@@ -104,8 +133,8 @@ def relative_spectrum_error(sv, ref, d):
     return ((sv.double() - ref).abs() / ref.clamp_min(1e-300))[keep].max().item()
 
 
-def profile_head(wq, wk, wq_new, wk_new, device, repeats):
-    """Print the best CPU time of each stage of one head's Gram core (query + key factor together)."""
+def profile_head(wq, wk, wq_new, wk_new, device, repeats, counts):
+    """Print the best wall time of each stage of one head's Gram core, raw calls at each thread count."""
     rows = [x.mT.contiguous() for x in (wq, wk, wq_new, wk_new)]
     diffs = [rows[2] - rows[0], rows[3] - rows[1]]
     query, key = factor_blocks(wq, wq_new), factor_blocks(wk, wk_new)
@@ -115,7 +144,7 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats):
     core = factor.mT @ g_b @ factor
     stages = {
         "ΔW differences (q, k)": lambda: (rows[2] - rows[0], rows[3] - rows[1]),
-        "ΔᵀΔ syrk (q, k)": lambda: [rows_gram(x) for x in diffs],
+        "ΔᵀΔ syrk (q, k; numpy BLAS)": lambda: [rows_gram(x) for x in diffs],
         "WᵀΔ GEMM (q, k)": lambda: [r @ x.mT for r, x in zip(rows[:2], diffs)],
         "WᵀW syrk (q, k; cold only)": lambda: [rows_gram(r) for r in rows[:2]],
         "assemble 2h×2h Grams": lambda: term_grams(query, key, "delta2"),
@@ -123,10 +152,14 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats):
         "core Fᵀ G_B F (float64)": lambda: factor.mT @ g_b @ factor,
         "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core),
     }
-    times = round_robin(stages, device, repeats)
-    print("\nprofile of one head (best process CPU time over the runs):")
-    for name, (_, _, cpu) in times.items():
-        print(f"  {name:<28} {cpu * 1e3:8.3f} ms")
+    times = round_robin({(name, n): at_threads(n, fn) for name, fn in stages.items() for n in counts}, device, repeats)
+    print("\nprofile of one head, raw calls (best wall time over the runs, ms):")
+    print(f"  {'stage':<30}" + "".join(f"{f'{n} thread(s)':>14}" for n in counts)
+          + (f"{'ratio':>8}" if len(counts) > 1 else ""))
+    for name in stages:
+        walls = [times[(name, n)][1] for n in counts]
+        ratio = f"{walls[-1] / walls[0]:>7.2f}x" if len(counts) > 1 else ""
+        print(f"  {name:<30}" + "".join(f"{w * 1e3:>14.3f}" for w in walls) + ratio)
 
 
 def make_layer(heads, d, h, device, seed=0):
@@ -146,19 +179,19 @@ def make_layer(heads, d, h, device, seed=0):
 
 
 def main(argv=None):
-    """Run the benchmark and print the table, ratios and errors."""
+    """Run the benchmark at 1 thread and at all cores and print the table, ratios, targets and errors."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="d=1024, h=64, 8 heads, 1 dense head")
+    parser.add_argument("--quick", action="store_true", help="d=1024, h=64, 8 heads, 1 dense head (a smoke run)")
     parser.add_argument("--d", type=int, default=None)
     parser.add_argument("--h", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--dense-heads", type=int, default=None, help="heads timed densely (rest extrapolated)")
     parser.add_argument("--dense-method", default="svd", choices=["svd", "gram-eigh"])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 avoids OpenMP stalls on a shared, oversubscribed machine)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="the all-cores thread count timed beside 1 thread (default: the CPU count)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats of the compressed timings (best of)")
-    parser.add_argument("--profile", action="store_true", help="also print the per-stage CPU time of one head")
+    parser.add_argument("--profile", action="store_true", help="also print each stage of one head at both counts")
     parser.add_argument("--kv-groups", type=int, default=None, help="KV groups of the GQA row (default heads/4; 0: skip)")
     args = parser.parse_args(argv)
 
@@ -167,11 +200,10 @@ def main(argv=None):
     heads = args.heads or (8 if args.quick else 32)
     dense_heads = min(args.dense_heads or (1 if args.quick else 2), heads)
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    counts = sorted({1, max(1, args.threads)})
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
-    print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
+    print(f"device={device} torch={torch.__version__} threads={'/'.join(map(str, counts))} "
           f"d={d} h={h} heads={heads} dtype=float32 dense={args.dense_method}")
 
     load_start = os.getloadavg()
@@ -183,9 +215,9 @@ def main(argv=None):
     groups = heads // 4 if args.kv_groups is None else args.kv_groups
     groups = groups if 0 < groups < heads and heads % groups == 0 else 0
     grams_one, grams_layer = snapshot_grams(*one[:2]), snapshot_grams(*layer[:2])
-    t_head = round_robin({"cold": lambda: compressed_entropy(*one, d),
-                          "steady": lambda: compressed_entropy(*one, d, old_grams=grams_one),
-                          "qr": lambda: compressed_entropy(*one, d, "qr")}, device, args.repeats)
+    head_fns = {"cold": lambda: compressed_entropy(*one, d),
+                "steady": lambda: compressed_entropy(*one, d, old_grams=grams_one),
+                "qr": lambda: compressed_entropy(*one, d, "qr")}
     layer_fns = {"cold": lambda: compressed_entropy(*layer, d),
                  "steady": lambda: compressed_entropy(*layer, d, old_grams=grams_layer),
                  "qr": lambda: compressed_entropy(*layer, d, "qr")}
@@ -196,16 +228,23 @@ def main(argv=None):
         grams_gqa = snapshot_grams(*gqa[:2])
         layer_fns["gqa cold"] = lambda: compressed_entropy(*gqa, d)
         layer_fns["gqa steady"] = lambda: compressed_entropy(*gqa, d, old_grams=grams_gqa)
-    t_layer = round_robin(layer_fns, device, layer_repeats)
-    (sv_one, ent_one), (sv_qr, _) = t_head["cold"][0], t_head["qr"][0]
-    (sv_layer, ent_layer), (sv_steady, _) = t_layer["cold"][0], t_layer["steady"][0]
+    # every function at every thread count, in turn: {(name, n): (result, wall, cpu)}
+    t_head = round_robin({(k, n): at_threads(n, fn) for k, fn in head_fns.items() for n in counts}, device,
+                         args.repeats)
+    t_layer = round_robin({(k, n): at_threads(n, fn) for k, fn in layer_fns.items() for n in counts}, device,
+                          layer_repeats)
+    (sv_one, ent_one), (sv_qr, _) = t_head[("cold", 1)][0], t_head[("qr", 1)][0]
+    (sv_layer, ent_layer), (sv_steady, _) = t_layer[("cold", 1)][0], t_layer[("steady", 1)][0]
+    sv_layer_all = t_layer[("cold", counts[-1])][0][0]
 
-    dense_times, dense_errors, comp_abs, comp_rel, qr_rel, dense_rel, dense_ent_err, comp_ent_err, steady_rel = (
-        [] for _ in range(9))
+    dense_times = {n: [] for n in counts}
+    dense_errors, comp_abs, comp_rel, qr_rel, dense_rel, dense_ent_err, comp_ent_err, steady_rel = ([] for _ in range(8))
     for i in range(dense_heads):
         blocks = [t[i] for t in layer]
-        sv_dense, t_dense, cpu_dense = timed(lambda: dense_spectrum(*blocks, args.dense_method), device)
-        dense_times.append((t_dense, cpu_dense))
+        for n in counts:  # one run each, alternating thread counts
+            sv_dense, t_dense, cpu_dense = timed(at_threads(n, lambda: dense_spectrum(*blocks, args.dense_method)),
+                                                 device)
+            dense_times[n].append((t_dense, cpu_dense))
         ref = torch.linalg.svdvals(dense_delta2(*[b.double() for b in blocks]))
         ent_ref = spectral_stats(ref[: 2 * h], matrix_dim=d)["entropy"].item()
         ent_dense = spectral_stats(sv_dense, matrix_dim=d)["entropy"].item()
@@ -218,28 +257,29 @@ def main(argv=None):
             qr_rel.append(relative_spectrum_error(sv_qr, ref, d))
         dense_ent_err.append(abs(ent_dense - ent_ref) / ent_ref)
         comp_ent_err.append(abs(ent_layer[i].item() - ent_ref) / ent_ref)
-    t_dense_head, cpu_dense_head = min(t for t, _ in dense_times), min(c for _, c in dense_times)
-    t_dense_layer = t_dense_head * heads
+    dense_head = {n: (min(t for t, _ in v), min(c for _, c in v)) for n, v in dense_times.items()}
 
     sv64 = qk_increment_singular_values(*[t.double() for t in layer], method="qr")
     layer_core_err = relative_spectrum_error(sv_layer, sv64, d)
     extrapolated = f"EXTRAPOLATED: {dense_heads} heads timed × {heads}/{dense_heads}" if dense_heads < heads else "timed"
 
-    rows = [("1 head", name, t_head[key][1], t_head[key][2], f"best of {args.repeats}") for key, name in
-            (("cold", "Gram core, cold"), ("steady", "Gram core, steady"), ("qr", "thin-QR core (before)"))]
-    rows.append(("1 head", f"dense {args.dense_method}", t_dense_head, cpu_dense_head,
-                 f"best of {dense_heads} heads, 1 run each"))
-    rows += [(f"{heads}-head layer", name, t_layer[key][1], t_layer[key][2], f"best of {layer_repeats}") for key, name in
-             (("cold", "Gram core, cold"), ("steady", "Gram core, steady"), ("qr", "thin-QR core (before)"))]
-    rows.append((f"{heads}-head layer", f"dense {args.dense_method}", t_dense_layer, cpu_dense_head * heads,
-                 extrapolated))
-    if groups:
-        rows += [(f"{heads}h/{groups}kv GQA", f"Gram core, {key[4:]}", t_layer[key][1], t_layer[key][2],
-                  f"best of {layer_repeats}") for key in ("gqa cold", "gqa steady")]
+    rows = []
+    for n in counts:
+        rows += [(n, "1 head", name, *t_head[(key, n)][1:], f"best of {args.repeats}") for key, name in
+                 (("cold", "Gram core, cold"), ("steady", "Gram core, steady"), ("qr", "thin-QR core (before)"))]
+        rows.append((n, "1 head", f"dense {args.dense_method}", *dense_head[n], f"best of {dense_heads} heads, 1 run each"))
+        rows += [(n, f"{heads}-head layer", name, *t_layer[(key, n)][1:], f"best of {layer_repeats}")
+                 for key, name in (("cold", "Gram core, cold"), ("steady", "Gram core, steady"),
+                                   ("qr", "thin-QR core (before)"))]
+        rows.append((n, f"{heads}-head layer", f"dense {args.dense_method}", dense_head[n][0] * heads,
+                     dense_head[n][1] * heads, extrapolated))
+        if groups:
+            rows += [(n, f"{heads}h/{groups}kv GQA", f"Gram core, {key[4:]}", *t_layer[(key, n)][1:],
+                      f"best of {layer_repeats}") for key in ("gqa cold", "gqa steady")]
     print()
-    print(f"{'case':<16} {'method':<24} {'wall [s]':>10} {'CPU [s]':>10}  note")
-    for case, method, seconds, cpu, note in rows:
-        print(f"{case:<16} {method:<24} {seconds:>10.4f} {cpu:>10.4f}  {note}")
+    print(f"{'threads':>7} {'case':<16} {'method':<24} {'wall [s]':>10} {'CPU [s]':>10}  note")
+    for n, case, method, seconds, cpu, note in rows:
+        print(f"{n:>7} {case:<16} {method:<24} {seconds:>10.4f} {cpu:>10.4f}  {note}")
     max_rel = max(comp_rel)
     max_ent = max(comp_ent_err)
     print()
@@ -250,17 +290,27 @@ def main(argv=None):
         """The ratio against the target."""
         return f"{ratio:8.1f}x  {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} (target >= {TARGET_RATIO:.0f}x)"
 
-    ratios = [("1 head", t_head, 1), (f"{heads}-head layer", t_layer, heads)]
+    cases = [("1 head", t_head, 1, ""), (f"{heads}-head layer", t_layer, heads, "")]
     if groups:
-        gqa_times = {k[4:]: v for k, v in t_layer.items() if k.startswith("gqa ")}
-        ratios.append((f"{heads}-head GQA ({groups} KV)", gqa_times, heads))
-    print("speed ratio = dense / Gram core, wall clock (CPU time of this process in brackets):")
-    for case, times, n in ratios:
-        print(f"  {case:<22} cold {verdict(t_dense_head * n / times['cold'][1])} "
-              f"[{cpu_dense_head * n / times['cold'][2]:.0f}x]   "
-              f"steady {verdict(t_dense_head * n / times['steady'][1])} [{cpu_dense_head * n / times['steady'][2]:.0f}x]")
-    print(f"  thin-QR core (before): 1 head {t_dense_head / t_head['qr'][1]:.1f}x, "
-          f"layer {t_dense_layer / t_layer['qr'][1]:.1f}x")
+        cases.append((f"{heads}-head GQA ({groups} KV)", t_layer, heads, "gqa "))
+    print("speed ratio = dense / Gram core at the same thread count, wall clock (CPU time of this process in brackets):")
+    for n in counts:
+        t_dense, cpu_dense = dense_head[n]
+        for case, times, m, prefix in cases:
+            cold, steady = times[(prefix + "cold", n)], times[(prefix + "steady", n)]
+            print(f"  {n} thread(s) {case:<22} cold {verdict(t_dense * m / cold[1])} [{cpu_dense * m / cold[2]:.0f}x]   "
+                  f"steady {verdict(t_dense * m / steady[1])} [{cpu_dense * m / steady[2]:.0f}x]")
+        print(f"  {n} thread(s) thin-QR core (before): 1 head {t_dense / t_head[('qr', n)][1]:.1f}x, "
+              f"layer {t_dense * heads / t_layer[('qr', n)][1]:.1f}x")
+    if len(counts) > 1:
+        top = counts[-1]
+        print(f"core time at {top} threads vs 1 thread, wall (target: all cores <= 1 thread):")
+        for case, times, _, prefix in cases:
+            for kind in ("cold", "steady"):
+                one_t, all_t = times[(prefix + kind, 1)][1], times[(prefix + kind, top)][1]
+                print(f"  {case:<22} {kind:<6} {one_t * 1e3:9.2f} ms -> {all_t * 1e3:9.2f} ms "
+                      f"({all_t / one_t:.2f}x)  {'PASS' if all_t <= one_t else 'FAIL'}")
+        print(f"  dense {args.dense_method} per head: {dense_head[1][0]:.3f} s -> {dense_head[top][0]:.3f} s")
     print(f"spectrum rel. error vs float64 dense SVD ({dense_heads} heads), max |Δσ_i|/σ_i above the rank tolerance:")
     print(f"  Gram core fp32, cold: {max_rel:.2e}  entropy {max_ent:.2e}  (target <= {TARGET_ERROR:.0e}) "
           f"{'PASS' if max(max_rel, max_ent) <= TARGET_ERROR else 'FAIL'}")
@@ -269,15 +319,16 @@ def main(argv=None):
     print(f"  thin-QR fp32:   {max(qr_rel):.2e} (head 0);  dense fp32: {max(dense_rel):.2e}  "
           f"entropy {max(dense_ent_err):.2e}")
     print(f"  max |Δσ|/σ_max: Gram {max(comp_abs):.2e}, dense {max(dense_errors):.2e}")
-    print(f"all {heads} heads, Gram fp32 vs float64 thin-QR core: {layer_core_err:.2e}")
+    print(f"all {heads} heads, Gram fp32 vs float64 thin-QR core: {layer_core_err:.2e}; "
+          f"core at {counts[-1]} vs 1 thread(s): max |Δσ|/σ_max {spectrum_error(sv_layer_all, sv_layer):.1e}")
     if groups:
         expanded = qk_increment_singular_values(gqa[0], gqa[1].expand_as(gqa[0]), gqa[2], gqa[3].expand_as(gqa[2]))
-        sv_gqa = t_layer["gqa cold"][0][0]
+        sv_gqa = t_layer[("gqa cold", 1)][0][0]
         print(f"GQA: shared key Gram vs one key copy per head, max |Δσ|/σ_max {spectrum_error(sv_gqa, expanded):.1e}")
     print(f"Δ2 entropy head 0: {ent_one.item():.6f} (single) {ent_layer[0].item():.6f} (batched); "
           f"max |single − batched| spectrum diff {spectrum_error(sv_one, sv_layer[0]):.1e}")
     if args.profile:
-        profile_head(*one, device, args.repeats)
+        profile_head(*one, device, args.repeats, counts)
     print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs)")
 

@@ -21,6 +21,7 @@ from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, win
 from mindspeed_proxy.monitor.sinks import build_sinks, scalar_tags
 from mindspeed_proxy.monitor.spectral_family import SpectralFamilies
 from mindspeed_proxy.monitor.targets import collect
+from mindspeed_proxy.monitor.threads import single_threaded
 
 logger = logging.getLogger(__name__)
 
@@ -111,36 +112,41 @@ class MechanismMonitor(SpectralFamilies):
         if "router" in self.disabled or self.router_stats is None:
             return
         try:
-            self.router_stats.update(layer_number - 1, logits.detach(),
-                                     None if topk_indices is None else topk_indices.detach())
+            with single_threaded(blas=False):  # torch only: small reductions, one thread
+                self.router_stats.update(layer_number - 1, logits.detach(),
+                                         None if topk_indices is None else topk_indices.detach())
         except Exception:
             self._fail("router")
 
     def after_optimizer_step(self, iteration: int) -> None:
         """Run what is due after a successful optimizer step `iteration` (1-based, Megatron's count)."""
         try:
-            cfg = self.config
-            ran = False
-            if "router" not in self.disabled and iteration % cfg.router_interval == 0:
-                self._router_step(iteration)
-                ran = True
-            spectral_due = cfg.sample_step(iteration) and not {"attention-spectral", "update-spectral"} <= self.disabled
-            if spectral_due:
-                self._qk_pending = {}
-                self._spectral_step(iteration)
-            if cfg.snapshot_step(iteration):
-                self._take_snapshots()
-                if spectral_due:  # δ = interval: the new snapshot holds the weights just sampled
-                    self._qk_grams = self._qk_pending
-            features_due = cfg.expert_features_step(iteration) and self.wants_moe_input
-            if (spectral_due or cfg.snapshot_step(iteration) or features_due) and not ran:
-                self._agree(None)
-            if features_due and iteration == cfg.expert_features_end():
-                self._write_expert_features()
+            with single_threaded():  # small calls at the trainer's thread count got slower (threads.py)
+                self._after_step(iteration)
         except Exception:  # last resort: a collective failed; stop everything rather than training
             self._fail("monitor")
             self.disabled.update(STATISTICS)
             self._report()
+
+    def _after_step(self, iteration: int) -> None:
+        cfg = self.config
+        ran = False
+        if "router" not in self.disabled and iteration % cfg.router_interval == 0:
+            self._router_step(iteration)
+            ran = True
+        spectral_due = cfg.sample_step(iteration) and not {"attention-spectral", "update-spectral"} <= self.disabled
+        if spectral_due:
+            self._qk_pending = {}
+            self._spectral_step(iteration)
+        if cfg.snapshot_step(iteration):
+            self._take_snapshots()
+            if spectral_due:  # δ = interval: the new snapshot holds the weights just sampled
+                self._qk_grams = self._qk_pending
+        features_due = cfg.expert_features_step(iteration) and self.wants_moe_input
+        if (spectral_due or cfg.snapshot_step(iteration) or features_due) and not ran:
+            self._agree(None)
+        if features_due and iteration == cfg.expert_features_end():
+            self._write_expert_features()
 
     # ---------------------------------------------------------------- failures
     def _fail(self, statistic: str) -> None:

@@ -62,6 +62,7 @@ class RouterStats:
         self.topk = topk
         self.chunk_size = chunk_size
         self._buffer = torch.zeros(num_layers, _LOAD + num_experts, dtype=torch.float32, device=device)
+        self._scratch = torch.zeros(_LOAD + num_experts, dtype=torch.float32, device=device)  # one chunk's sums
 
     @property
     def device(self) -> torch.device:
@@ -90,28 +91,31 @@ class RouterStats:
         if logits.shape[-1] != num_experts:
             raise ValueError(f"logits last dim {logits.shape[-1]} != num_experts {num_experts}")
         flat = logits.reshape(-1, num_experts)
-        row = self._buffer[layer_index]
-        k = self.topk
+        row, vec, k = self._buffer[layer_index], self._scratch, self.topk
         width = min(k + 1, num_experts)
         derive = topk_indices is None
-        sums = torch.zeros(3, dtype=torch.float32, device=row.device)  # tokens, entropy, margin
-        sums[0] = flat.shape[0]
-        for start in range(0, flat.shape[0], self.chunk_size):
+        head, target = (vec, row) if derive else (vec[:_LOAD], row[:_LOAD])
+        if width == k:
+            vec[_MARGIN] = 0.0
+        for start in range(0, flat.shape[0], self.chunk_size):  # a few fused kernels per chunk, no host sync
             chunk = flat[start:start + self.chunk_size].float()
-            # log p = x - logsumexp(x); clamping -inf keeps 0·log 0 = 0 while NaN still propagates
-            log_p = (chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)).clamp_min(torch.finfo(chunk.dtype).min)
-            entropy = -(log_p.exp() * log_p).sum()
+            vec[_TOKENS] = chunk.shape[0]
+            # Σ −p log p with the experts along dim 0 (a softmax over a short last dim runs a slow per-token
+            # loop); clamping −inf keeps 0·log 0 = 0 while NaN still propagates
+            log_p = torch.log_softmax(chunk.T.contiguous(), dim=0).clamp_min_(torch.finfo(torch.float32).min)
+            torch.dot(log_p.exp().view(-1), log_p.view(-1), out=vec[_ENTROPY])
+            vec[_ENTROPY].neg_()
             top = torch.topk(chunk, width, dim=-1)
-            margin = (top.values[:, k - 1] - top.values[:, k]).sum() if width > k else entropy.new_zeros(())
-            sums[1:] += torch.stack([entropy, margin])
+            if width > k:
+                torch.sum(top.values[:, k - 1] - top.values[:, k], dim=0, out=vec[_MARGIN])
             if derive:
-                row[_LOAD:] += torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts).float()
-        row[:_LOAD] += sums
+                vec[_LOAD:] = torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts)
+            target.add_(head)
         if not derive:
             if topk_indices.dtype == torch.bool:
                 row[_LOAD:] += topk_indices.reshape(-1, num_experts).sum(dim=0, dtype=torch.float32)
             else:
-                row[_LOAD:] += torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts).float()
+                row[_LOAD:] += torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts)
 
     def reduce(self, groups: Iterable) -> None:
         """All-reduce (SUM) the accumulators over each process group in order; None entries are skipped."""

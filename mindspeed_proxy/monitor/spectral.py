@@ -2,16 +2,22 @@
 
 Everything is batched over leading dimensions and stays on the input's device. No host syncs, except
 one flag read by the Gram core of QK increments to route rank-deficient factors to its eigh fallback.
+The spectral cores run single-threaded (torch and BLAS, `threads.single_threaded`): their calls are small.
+The QK Gram core instead spreads whole heads over the caller's threads (one single-threaded stream each).
 """
 from __future__ import annotations
 
+import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import torch
 
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.threads import outer_threads, single_threaded
 
 TERMS = ("delta1", "delta2", "delta3")
+PARALLEL_MIN_ELEMENTS = 1 << 20  # heads·d·h of one QK core call below which its heads stay on one thread
 PARALLEL_MODES = (None, "column", "row")
 METHODS = ("auto", "gram", "qr")
 
@@ -174,6 +180,7 @@ def _small_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
+@single_threaded()
 def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """Singular values of A·Bᵀ (A, B: [..., d, m]) from m×m Gram or QR cores, never forming d×d; descending, [..., m].
 
@@ -197,6 +204,7 @@ def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: st
 
 
 @torch.no_grad()
+@single_threaded()
 def qk_increment_singular_values(
     wq_old: torch.Tensor,
     wk_old: torch.Tensor,
@@ -229,6 +237,7 @@ def qk_increment_singular_values(
 
 
 @torch.no_grad()
+@single_threaded()
 def qk_increment_spectra(
     wq_old: torch.Tensor,
     wk_old: torch.Tensor,
@@ -257,14 +266,53 @@ def qk_increment_spectra(
         cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
         out = {t: _direct_singular_values(cat(_query_blocks(*q, t)), cat(_key_blocks(*k, t))) for t in terms}
         return out, tuple(rows_gram(_rows(x[1])).to(small) for x in (q, k))
+    batch = torch.broadcast_shapes(*(x.shape[:-2] for x in q + k))
+    d, h = q[0].shape[-2:]
+    # CPU only: an accelerator runs the heads batched already (and a worker thread would not see the caller's stream)
+    workers = min(outer_threads(), batch[0]) if batch and q[0].device.type == "cpu" else 1
+    if workers > 1 and math.prod(batch) * d * h >= PARALLEL_MIN_ELEMENTS:
+        return _parallel_gram_spectra(q, k, terms, old_grams, len(batch), workers)
+    return _gram_spectra(q, k, terms, old_grams)
+
+
+def _gram_spectra(q, k, terms, old_grams):
+    """The Gram core of `qk_increment_spectra` on (old, new) query and key blocks of one dtype."""
+    small = _small_dtype(q[0])
     old_q, old_k = old_grams if old_grams is not None else (None, None)
     query, key = factor_blocks(*q, old_q, small), factor_blocks(*k, old_k, small)
-    eps = torch.finfo(dtype).eps
-    out = {t: _gram_core_singular_values(*term_grams(query, key, t), eps).to(dtype) for t in terms}
+    eps = torch.finfo(q[0].dtype).eps
+    out = {t: _gram_core_singular_values(*term_grams(query, key, t), eps).to(q[0].dtype) for t in terms}
     return out, (query.new_gram(), key.new_gram())
 
 
+def _split_heads(x: Optional[torch.Tensor], batch_ndim: int, parts: int) -> tuple[list, bool]:
+    """`x`'s `parts` slices along the batch's first dim ([x] * parts where x broadcasts there), and whether split."""
+    if x is None or x.dim() - 2 < batch_ndim or x.shape[0] == 1:
+        return [x] * parts, False
+    return list(torch.tensor_split(x, parts, dim=0)), True
+
+
+def _parallel_gram_spectra(q, k, terms, old_grams, batch_ndim: int, workers: int):
+    """`_gram_spectra` with the heads (batch dim 0) split over `workers` threads, each single-threaded inside."""
+    old = old_grams if old_grams is not None else (None, None)
+    split = [_split_heads(x, batch_ndim, workers) for x in (*q, *k, *old)]
+
+    def part(i):
+        """The core on the i-th slice of heads (grad mode is per thread: no_grad again here)."""
+        with torch.no_grad():
+            grams = None if old_grams is None else (split[4][0][i], split[5][0][i])
+            return _gram_spectra((split[0][0][i], split[1][0][i]), (split[2][0][i], split[3][0][i]), terms, grams)
+
+    with ThreadPoolExecutor(workers) as pool:  # torch and numpy release the GIL in their kernels
+        results = list(pool.map(part, range(workers)))
+    out = {t: torch.cat([r[0][t] for r in results]) for t in terms}
+    grams = tuple(torch.cat([r[1][j] for r in results]) if split[2 * j][1] or split[2 * j + 1][1] else results[0][1][j]
+                  for j in range(2))
+    return out, grams
+
+
 @torch.no_grad()
+@single_threaded()
 def update_singular_values(
     delta: torch.Tensor,
     group=None,
@@ -307,6 +355,7 @@ def update_gram(delta: torch.Tensor, parallel_mode: Optional[str] = None,
 
 
 @torch.no_grad()
+@single_threaded()
 def singular_values_from_gram(gram: torch.Tensor) -> torch.Tensor:
     """Singular values (descending) of the matrix whose (summed) Gram is `gram`."""
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)

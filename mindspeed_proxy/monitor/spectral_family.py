@@ -23,6 +23,7 @@ from mindspeed_proxy.monitor.spectral import (
     spectral_stats,
     update_gram,
 )
+from mindspeed_proxy.monitor.threads import single_threaded
 
 NSTAT = len(STAT_NAMES)
 
@@ -79,6 +80,7 @@ class SpectralFamilies:
         held = {id(t): t for t in _tensors([self.snapshots, self._qk_grams, self._qk_pending])}  # the two Gram
         return sum(t.numel() * t.element_size() for t in held.values())  # caches may be one dict after a sample
 
+    @single_threaded()  # the families' small calls on one thread (nested in after_optimizer_step's block)
     def _spectral_step(self, iteration: int) -> None:
         if not self.snapshots:  # no W_{t-δ} yet (monitor started or resumed mid-interval): same on all ranks
             return

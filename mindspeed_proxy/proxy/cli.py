@@ -79,6 +79,10 @@ def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
                    help="load the source's .pt files with full unpickling (weights_only=False), for args holding "
                         "types outside megatron-core's safe globals (other forks). A malicious checkpoint can then "
                         "run arbitrary code: use only for files you trust (never the default)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="legacy: proxy files written by N forked processes; torch_dist: N writer threads (N .distcp "
+                        "files); default: the cores this process may use. The legacy output is bit-identical for "
+                        "any N")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR (after verification)")
     return p
@@ -116,7 +120,11 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     """Parse `argv`, convert; 0 on success, one `prog: error: ...` line on stderr and 2 on bad input."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     args = build_parser(prog).parse_args(argv)
-    from mindspeed_proxy.proxy.convert import convert
+    from mindspeed_proxy.proxy.convert import convert, default_workers
+
+    if args.workers is not None and args.workers < 1:
+        print(f"{prog}: error: --workers {args.workers}: must be at least 1", file=sys.stderr)
+        return 2
     from mindspeed_proxy.proxy.plan import Options
 
     options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
@@ -132,7 +140,8 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     try:
         _check_save_features(args, options)
         plan = convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
-                       overwrite=args.overwrite, fmt=args.format)
+                       overwrite=args.overwrite, fmt=args.format,
+                       workers=args.workers if args.workers is not None else default_workers())
         if args.save_features:
             from mindspeed_proxy.proxy.features import write_features_file
 

@@ -1,15 +1,13 @@
 """Convert a Megatron MoE checkpoint into a proxy: plan, write to a temporary folder, verify, rename."""
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
 import tempfile
-import threading
 from typing import Callable, Optional
 
-from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy import hashing, output_guard, pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint, resolve_iteration, write_legacy
 from mindspeed_proxy.proxy.manifest import build_manifest, write_manifest
@@ -68,11 +66,31 @@ def _progress(desc: str) -> Callable:
     return wrap
 
 
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def convert(load: str, save: Optional[str], options: Options, iteration: Optional[int] = None,
-            dry_run: bool = False, overwrite: bool = False, echo: Callable = print, fmt: str = "auto"):
+            dry_run: bool = False, overwrite: bool = False, echo: Callable = print, fmt: str = "auto",
+            workers: int = 1):
     """Run the conversion (or only plan it with `dry_run`); return the Plan. ConversionError on bad input.
-    `fmt`: auto (a folder with config.json and safetensors is Hugging Face), megatron or hf."""
+    `fmt`: auto (a folder with config.json and safetensors is Hugging Face), megatron or hf. `workers`:
+    legacy files written by that many forked processes, torch_dist by that many writer threads."""
+    if workers < 1:
+        raise ConversionError(f"--workers {workers}: must be at least 1")
     check_paths(load, save, overwrite, dry_run)
+    if dry_run:
+        return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
+    with output_guard.OutputLock(save):
+        check_paths(load, save, overwrite, dry_run)  # again under the lock: a finished rival's OUT_DIR counts
+        return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
+
+
+def _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers):
     if options.trust_checkpoint:
         from mindspeed_proxy.checkpoint_io import warn_trusted
 
@@ -83,70 +101,50 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
             from mindspeed_proxy.proxy.hf_io import check_options
 
             check_options(options, iteration)
-        return _convert(ckpt, save, options, dry_run, echo)
+        return _convert(ckpt, save, options, dry_run, echo, workers)
     finally:
         if hasattr(ckpt, "close"):
             ckpt.close()
 
 
-class SourceHasher:
-    """SHA-256 of every source file, computed on a background thread while the plan is made and the
-    proxy written (hashlib and file reads release the GIL), instead of as a separate pass."""
-
-    def __init__(self, paths: list, block: int = 1 << 20):
-        self.hashes: dict = {}
-        self._error: Optional[BaseException] = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(list(paths), block), daemon=True)
-        self._thread.start()
-
-    def _run(self, paths: list, block: int) -> None:
-        try:
-            buffer = bytearray(block)
-            view = memoryview(buffer)
-            for path in paths:
-                digest = hashlib.sha256()
-                with open(path, "rb", buffering=0) as fh:
-                    while not self._stop.is_set() and (n := fh.readinto(buffer)):
-                        digest.update(view[:n])
-                if self._stop.is_set():
-                    return
-                self.hashes[path] = digest.hexdigest()
-        except BaseException as exc:  # reported by result()
-            self._error = exc
-
-    def result(self) -> dict:
-        """{path: hex SHA-256} once every file is hashed; ConversionError if a file could not be read."""
-        self._thread.join()
-        if self._error is not None:
-            raise ConversionError(f"hashing the source failed: {self._error}")
-        return self.hashes
-
-    def cancel(self) -> None:
-        """Stop hashing (at the next block) and wait for the thread."""
-        self._stop.set()
-        self._thread.join()
-
-
-def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable):
+def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, workers: int = 1):
     pages.register(*ckpt.file_paths())  # source pages read through mmap are dropped once used
     pages.pin_mmap_threshold()  # staging buffers leave RSS when freed
-    hasher = None if dry_run else SourceHasher(ckpt.file_paths())
+    # every source byte is read once, by this pass (whole-file digests; legacy: every tensor record's too)
+    hasher = None if dry_run else hashing.SourcePass(ckpt.file_paths(), records=_record_spans(ckpt))
     try:
-        return _write(ckpt, save, options, dry_run, echo, hasher)
+        return _write(ckpt, save, options, dry_run, echo, hasher, workers)
     finally:
         if hasher is not None:
             hasher.cancel()
         pages.unregister_all()
 
 
-def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, hasher):
+def _record_spans(ckpt):
+    """What the source pass digests besides whole files: legacy torch.save records, torch_dist chunks."""
+    if ckpt.format == "torch":
+        return True
+    if ckpt.format != "torch_dist":
+        return False
+    from mindspeed_proxy.proxy.dist_chunks import record_spans
+
+    found: dict = {}
+
+    def spans(path: str) -> list:
+        if not found:
+            found.update(record_spans(ckpt.folder) or {"": []})
+        return found.get(os.path.realpath(path), [])
+    return spans
+
+
+def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, hasher, workers: int = 1):
     plan = make_plan(ckpt, options, progress=_progress("clustering"))
     pages.trim_heap()
     echo(describe(plan))
     if dry_run:
         echo("dry run: nothing written")
         return plan
+    output_guard.check_free_space(save, plan.bytes_to_write)
     parent, base = os.path.split(os.path.abspath(save))
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
@@ -161,19 +159,31 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             from mindspeed_proxy.proxy.dist_io import write_dist
             from mindspeed_proxy.proxy.verify import verify_dist
 
-            write_dist(ckpt, plan, plan.new_args, tmp)
+            from mindspeed_proxy.proxy.verify import StreamCompare
+
+            written: dict = {}
+            write_dist(ckpt, plan, plan.new_args, tmp, workers=workers, digests=written)
             pages.trim_heap()
-            verification = verify_dist(ckpt, plan, tmp)
+            verification = verify_dist(ckpt, plan, tmp, StreamCompare(written, hasher))
         else:
-            write_legacy(ckpt, plan, plan.target, plan.new_args, tmp)
+            from mindspeed_proxy.proxy.verify import StreamCompare
+
+            written = write_legacy(ckpt, plan, plan.target, plan.new_args, tmp, workers=workers)
             pages.trim_heap()
-            verification = verify_legacy(ckpt, plan, tmp)
+            hasher.result()  # the source records' digests, compared with the written records' digests
+            verification = verify_legacy(ckpt, plan, tmp, StreamCompare(written, hasher))
         write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
         if os.path.exists(save):
             shutil.rmtree(save)
         os.rename(tmp, save)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = None if isinstance(exc, ConversionError) and not output_guard.disk_full(exc) else \
+            output_guard.write_error(exc, save, plan.bytes_to_write)
+        if full is not None:
+            raise full from None
+        if not isinstance(exc, (ConversionError, KeyboardInterrupt, SystemExit)) and _broken_pool(exc):
+            raise ConversionError(f"a worker process died while writing the proxy ({exc}); nothing written") from None
         raise
     echo(f"verified: {verification}")
     echo(f"proxy written to {save}")
@@ -184,3 +194,9 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
          f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")
     return plan
+
+
+def _broken_pool(exc: BaseException) -> bool:
+    from concurrent.futures.process import BrokenProcessPool
+
+    return isinstance(exc, BrokenProcessPool)

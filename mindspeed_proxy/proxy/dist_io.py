@@ -359,9 +359,11 @@ def proxy_objects(ckpt: DistCheckpoint, plan) -> dict:
     return out
 
 
-def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None) -> str:
+def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None, workers: int = 1,
+               digests: Optional[dict] = None) -> str:
     """Write the proxy with megatron `dist_checkpointing.save` under `out_root`, one chunk in memory at a
-    time (see dist_writer); return its iteration folder."""
+    time per writer thread (`workers` threads; see dist_writer); return its iteration folder. `digests`:
+    filled with the written records' digests (dist_writer.save_streaming)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from mindspeed_proxy.proxy.dist_writer import save_streaming
@@ -379,7 +381,8 @@ def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=Non
     state["args"] = new_args
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     os.makedirs(folder)
-    save_streaming(ckpt, plan, state, model, folder, common.get("content_metadata"), progress)
+    save_streaming(ckpt, plan, state, model, folder, common.get("content_metadata"), progress, threads=workers,
+                   digests=digests)
     with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
         fh.write(str(ckpt.iteration))
     return folder

@@ -11,8 +11,11 @@ kept experts), written, and let go. The strategy is a TorchDistSaveShardedStrate
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
+from typing import Optional
 
 import torch
 
@@ -22,7 +25,7 @@ from mindspeed_proxy.proxy.dist_common import COMMON_FILE
 from mindspeed_proxy.proxy.errors import ConversionError
 
 
-def _strategy(fetch: dict, progress=None, common_file: bool = False):
+def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: int = 1, digests=None):
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict)
@@ -53,9 +56,14 @@ def _strategy(fetch: dict, progress=None, common_file: bool = False):
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state = mcore_to_pyt_state_dict(state, False)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=False,
-                                      thread_count=1)
-            dcp_save(pyt_state, storage_writer=writer,
-                     planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
+                                      thread_count=threads)
+            writer.fs = _KeepErrors(writer.fs, digests)
+            try:
+                dcp_save(pyt_state, storage_writer=writer,
+                         planner=LazyPlanner(dedup_replicated_tensors=None, flatten_state_dict=False))
+            finally:
+                if writer.fs.errors:  # a writer thread's failure (DCP's extra threads would only print it)
+                    raise writer.fs.errors[0]
 
         def can_handle_sharded_objects(self):
             """Sharded objects go into the same files (as megatron's torch_dist strategy does)."""
@@ -64,16 +72,78 @@ def _strategy(fetch: dict, progress=None, common_file: bool = False):
     return StreamingSave("torch_dist", 1)
 
 
+class _Recording:
+    """A DCP output stream whose writes of MIN_RECORD bytes or more (torch.save hands each tensor record to
+    one write) are hashed on their way to the file: digests[(file offset, size)] = digest."""
+
+    MIN_RECORD = 4 << 10
+
+    def __init__(self, stream, digests: dict):
+        self.stream, self.digests = stream, digests
+
+    def write(self, data) -> int:
+        """Write `data`, hashing it when large."""
+        view = memoryview(data)
+        if view.nbytes >= self.MIN_RECORD and view.c_contiguous:
+            from mindspeed_proxy.proxy import hashing
+
+            offset, view = self.stream.tell(), view.cast("B")
+            h = hashing.new()
+            for start in range(0, len(view), pages.WRITE_BYTES):
+                piece = view[start:start + pages.WRITE_BYTES]
+                h.update(piece)
+                self.stream.write(piece)
+            self.digests[(offset, len(view))] = h.hexdigest()
+            return len(view)
+        return self.stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class _KeepErrors:
+    """torch.distributed.checkpoint's file system with each file's write failure kept instead of raised in
+    the writer thread (where DCP's extra threads would print it and go on); save() raises the first. With
+    `digests`, every file's large writes are hashed: digests[real path] = {(offset, size): digest}."""
+
+    def __init__(self, fs, digests: Optional[dict] = None):
+        self.fs, self.errors, self.digests = fs, [], digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        """The file system's stream; an exception while writing it is recorded and swallowed."""
+        try:
+            with self.fs.create_stream(path, mode) as stream:
+                if self.digests is None or "w" not in mode:
+                    yield stream
+                else:
+                    yield _Recording(stream, self.digests.setdefault(os.path.realpath(str(path)), {}))
+        except Exception as exc:
+            self.errors.append(exc)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
 COMMON_STATE_KEY = "common_state"  # where megatron-core 0.19's save puts the common state in the sharded dict
 
 
-def _fetcher(reader: ChunkReader, chunk, previous: list):
+class _PerThread(threading.local):
+    """Each writer thread's own source reader and last chunk (DCP resolves items on `threads` threads)."""
+
+    def __init__(self, folder: str, readers: list):
+        self.reader, self.previous = ChunkReader(folder), []
+        readers.append(self)
+
+
+def _fetcher(local, chunk):
     def fetch():
-        # the writer has finished with the chunk fetched before this one: its mapped pages can go now
-        # (torch's loader still holds a reference to it while it resolves the next item)
+        # the writer has finished with the chunk this thread fetched before this one: its mapped pages can
+        # go now (torch's loader still holds a reference to it while it resolves the next item)
+        previous = local.previous
         pages.drop(*previous)
         previous.clear()
-        data = expected(reader, chunk)
+        data = expected(local.reader, chunk)
         if tuple(data.shape) != tuple(chunk.sizes) or data.dtype != chunk.dtype:
             raise ConversionError(f"{chunk.key} at {list(chunk.offsets)}: source gives {tuple(data.shape)} "
                                   f"{data.dtype}, expected {chunk.sizes} {chunk.dtype}")
@@ -84,14 +154,19 @@ def _fetcher(reader: ChunkReader, chunk, previous: list):
 
 
 def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, content_metadata=None,
-                   progress=None) -> None:
+                   progress=None, threads: int = 1, digests: Optional[dict] = None) -> None:
     """Write the proxy's model tensors (chunk by chunk from the source), `objects` (ShardedObjects) and
-    `common_state` into `folder` with megatron `dist_checkpointing.save`."""
+    `common_state` into `folder` with megatron `dist_checkpointing.save`, on `threads` writer threads
+    (torch.distributed.checkpoint then writes that many .distcp files); with `digests`, fill it with the
+    digests of the records written ({real path: {(offset, size): digest}})."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = ChunkReader(ckpt.folder)
-    model, fetch, previous = dict(objects), {}, []
+    readers: list = []
+    local = _PerThread(ckpt.folder, readers)
+    model, fetch = dict(objects), {}
     for chunk in proxy_chunks(ckpt, plan, reader, sorted(ckpt.index.tensors)):
         if any(g % s for g, s in zip(chunk.global_shape, chunk.sizes)):
             raise ConversionError(f"{ckpt.folder}: {chunk.key} is stored in uneven chunks {chunk.sizes} of "
@@ -100,7 +175,7 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
             key=chunk.key, data=torch.empty(chunk.sizes, dtype=chunk.dtype, device="meta"), dtype=chunk.dtype,
             local_shape=chunk.sizes, global_shape=chunk.global_shape, global_offset=chunk.offsets,
             axis_fragmentations=tuple(g // s for g, s in zip(chunk.global_shape, chunk.sizes)), replica_id=0)
-        fetch[(chunk.key, chunk.offsets)] = _fetcher(reader, chunk, previous)
+        fetch[(chunk.key, chunk.offsets)] = _fetcher(local, chunk)
     state = dict(common_state, model=model)
     try:
         with warnings.catch_warnings():
@@ -108,14 +183,22 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
             # the proxy keeps the source's form of the common state: a common.pt source (megatron-core < 0.19,
             # which reads nothing else) gets a common.pt proxy whichever megatron-core converts
             common_file = os.path.isfile(os.path.join(ckpt.folder, COMMON_FILE))
-            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress, common_file),
+            dist_checkpointing.save(state, folder, sharded_strategy=_strategy(fetch, progress, common_file, threads,
+                                                                            digests),
                                     content_metadata=content_metadata)
     except ConversionError:
         raise
-    except Exception as exc:
-        raise ConversionError(f"writing the torch_dist proxy failed: {type(exc).__name__}: {exc}") from None
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        from mindspeed_proxy.proxy.output_guard import disk_full
+
+        if disk_full(exc):
+            raise  # convert() maps it to one line naming the device and the free space
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConversionError(f"writing the torch_dist proxy failed: {type(exc).__name__}: {first}") from None
     finally:
-        previous.clear()
+        for each in readers:
+            each.previous.clear()
+            each.reader.forget()
         reader.forget()
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise ConversionError(f"writing the torch_dist proxy failed: no .metadata in {folder}")

@@ -14,7 +14,7 @@ import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy import experts as X
-from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy import hashing, pages
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, layout_from_args
 
@@ -286,33 +286,104 @@ class _Spill:
         return out
 
 
-def save_streaming(state: dict, path: str) -> None:
-    """torch.save `state` to `path`, dropping each memory-mapped tensor's pages once it is written."""
+class RecordingWriter(pages.DropAfterWrite):
+    """DropAfterWrite that also hashes what it writes: every write of at least MIN_RECORD bytes (torch.save
+    hands each tensor record to one write) gets (file offset, size) -> digest of the bytes written, hashed
+    piece by piece as each piece goes to the file."""
+
+    MIN_RECORD = 4 << 10
+
+    def __init__(self, fh):
+        super().__init__(fh)
+        self.offset, self.digests = 0, {}
+
+    def write(self, data) -> int:
+        """Write `data` fully (dropping its mapped pages piece by piece), hashing it when large."""
+        view = memoryview(data)
+        if not view.c_contiguous or view.nbytes < self.MIN_RECORD:
+            n = super().write(data)
+            self.offset += view.nbytes
+            return n
+        view = view.cast("B")
+        h = hashing.new()
+        for start in range(0, len(view), pages.WRITE_BYTES):
+            piece = view[start:start + pages.WRITE_BYTES]
+            h.update(piece)
+            self.fh.write(piece)
+            pages.drop_buffer(piece)
+        self.digests[(self.offset, len(view))] = h.hexdigest()
+        self.offset += len(view)
+        return len(view)
+
+
+def save_streaming(state: dict, path: str) -> dict:
+    """torch.save `state` to `path`, dropping each memory-mapped tensor's pages once it is written; return
+    {(offset, size): digest} of the large records written (RecordingWriter)."""
     with open(path, "wb") as fh:
-        torch.save(state, pages.DropAfterWrite(fh))
+        writer = RecordingWriter(fh)
+        torch.save(state, writer)
+    return writer.digests
 
 
-def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, progress=None) -> list:
-    """Write every file of the proxy under `out_root` (tracker included); return the written paths.
-    Tensors stream from the mmapped sources to the file one at a time (their pages dropped after)."""
+def _write_shard(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, coord: tuple) -> tuple:
+    """Write proxy file `coord` = (tp, pp, ep); return (its path, its written-record digests)."""
     import shutil
 
-    folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
-    scratch = os.path.join(out_root, ".scratch")
+    tp, pp, ep = coord
+    rank_dir = os.path.join(out_root, iteration_dir_name(ckpt.iteration), rank_dir_name(tp, pp, ep, target))
+    os.makedirs(rank_dir, exist_ok=True)
+    path = os.path.join(rank_dir, FILE)
+    scratch = os.path.join(out_root, f".scratch-{tp}-{pp}-{ep}")
+    try:
+        digests = save_streaming(build_rank_state(ckpt, plan, target, new_args, tp, pp, ep, _Spill(scratch)), path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        ckpt.release()
+    return path, digests
+
+
+_JOB: dict = {}  # what forked workers inherit: the checkpoint, plan and output of the conversion running
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # each worker is one core; intra-op threads would fight the other workers
+
+
+def _worker_shard(coord: tuple) -> tuple:
+    job = _JOB
+    return _write_shard(job["ckpt"], job["plan"], job["target"], job["new_args"], job["out_root"], coord)
+
+
+def write_legacy(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, out_root: str, progress=None,
+                 workers: int = 1) -> dict:
+    """Write every file of the proxy under `out_root` (tracker included); return {path: written-record
+    digests}. Tensors stream from the mmapped sources to the file one at a time (their pages dropped after).
+    With `workers` > 1 the files are written by that many forked processes, one file each at a time."""
     pages.register(*ckpt.files.values())
-    written = []
-    for tp in range(target.tp):
-        for pp in range(target.pp):
-            for ep in range(target.ep):
-                rank_dir = os.path.join(folder, rank_dir_name(tp, pp, ep, target))
-                os.makedirs(rank_dir)
-                path = os.path.join(rank_dir, FILE)
-                save_streaming(build_rank_state(ckpt, plan, target, new_args, tp, pp, ep, _Spill(scratch)), path)
-                shutil.rmtree(scratch, ignore_errors=True)
-                ckpt.release()
-                written.append(path)
-                if progress:
-                    progress(path)
+    coords = [(tp, pp, ep) for tp in range(target.tp) for pp in range(target.pp) for ep in range(target.ep)]
+    os.makedirs(os.path.join(out_root, iteration_dir_name(ckpt.iteration)))
+    written = {}
+    if workers <= 1 or len(coords) == 1:
+        for coord in coords:
+            path, digests = _write_shard(ckpt, plan, target, new_args, out_root, coord)
+            written[path] = digests
+            if progress:
+                progress(path)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ckpt.release()  # workers map the files they need themselves
+        _JOB.update(ckpt=ckpt, plan=plan, target=target, new_args=new_args, out_root=out_root)
+        try:
+            with ProcessPoolExecutor(min(workers, len(coords)), multiprocessing.get_context("fork"),
+                                     initializer=_worker_init) as pool:
+                for path, digests in pool.map(_worker_shard, coords):
+                    written[path] = digests
+                    if progress:
+                        progress(path)
+        finally:
+            _JOB.clear()
     with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
         fh.write(str(ckpt.iteration))
     return written

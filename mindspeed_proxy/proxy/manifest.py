@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+from mindspeed_proxy.proxy import hashing
+
 MANIFEST = "proxy_manifest.json"
 
 
@@ -52,8 +54,8 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
     return {
         "format": fmt,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "source": {"path": os.path.abspath(ckpt.root), "iteration": ckpt.iteration,
-                   "sha256": {os.path.relpath(p, ckpt.root): h for p, h in source_hashes.items()}},
+        "source": {"path": os.path.abspath(ckpt.root), "iteration": ckpt.iteration, "hash": hashing.ALGORITHM,
+                   "digests": {os.path.relpath(p, ckpt.root): h for p, h in source_hashes.items()}},
         "versions": _versions(),
         "num_experts": {"source": s.num_experts, "proxy": t.num_experts},
         "selection": plan.options.selection,

@@ -25,10 +25,73 @@ def _fail(path: str, what: str) -> None:
     raise ConversionError(f"verification failed: {path}: {what}")
 
 
-def verify_legacy(ckpt, plan, out_root: str) -> dict:
+class StreamCompare:
+    """Tensor equality from digests, without re-reading the written file: the proxy tensor's bytes are
+    located in its file (mmap, nothing touched) and matched to the digest of that written record
+    (RecordingWriter); the expected tensor's bytes are a source record whose digest the source pass took
+    while reading the source (else they are hashed now). Anything else is compared byte for byte."""
+
+    def __init__(self, written: dict, source):
+        self.written = {os.path.realpath(p): d for p, d in written.items()}
+        self.source = source
+        self.counts = {"bytes_from_digests": 0, "source_bytes_hashed_again": 0, "bytes_compared_by_reading": 0}
+
+    def _written_digest(self, tensor):
+        where = pages.file_ranges([tensor])[0]
+        if where is None:
+            return None
+        return self.written.get(where[0], {}).get((where[1], tensor.nbytes))
+
+    def _source_digest(self, tensor):
+        where = pages.file_ranges([tensor])[0]
+        if where is None or self.source is None:
+            return None
+        return self.source.record(where[0], where[1], tensor.nbytes)
+
+    def __call__(self, got, want) -> bool:
+        """bit_equal(got, want), from the digests where both are known."""
+        if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.dtype == want.dtype \
+                and got.shape == want.shape and got.is_contiguous() and got.nbytes:
+            written = self._written_digest(got)
+            if written is not None:
+                expected = self._source_digest(want) if want.is_contiguous() else None
+                if expected is None:
+                    expected = _tensor_digest(want)
+                    self.counts["source_bytes_hashed_again"] += want.nbytes
+                self.counts["bytes_from_digests"] += got.nbytes
+                return written == expected
+        if isinstance(got, torch.Tensor):
+            self.counts["bytes_compared_by_reading"] += got.nbytes
+        return equal_in_blocks(got, want)
+
+
+def _tensor_digest(t, block: int = 4 << 20) -> str:
+    """Digest of a tensor's bytes: pread from its file in blocks when it is memory-mapped from a registered
+    file (the mapping never touched), else from memory."""
+    from mindspeed_proxy.proxy import hashing
+
+    where = pages.file_ranges([t])[0] if t.is_contiguous() else None
+    if where is None:
+        return hashing.digest(t.contiguous().view(-1).view(torch.uint8).numpy())
+    h, buffer = hashing.new(), bytearray(min(block, t.nbytes))
+    fd = os.open(where[0], os.O_RDONLY)
+    try:
+        for start in range(0, t.nbytes, block):
+            n = min(block, t.nbytes - start)
+            view = memoryview(buffer)[:n]
+            pages.pread_into(fd, view, where[1] + start, where[0])
+            h.update(view)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def verify_legacy(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
     """Check every proxy file: key set, kept experts and router rows bit-exact (with merge: equal to the
     usage-weighted average of the cluster, recomputed), other entries identical, args rewritten; return
-    counts of what was checked."""
+    counts of what was checked. With `stream` (the conversion's written-record and source digests) large
+    tensors are compared by digest instead of re-reading the written bytes."""
+    same = stream if stream is not None else equal_in_blocks
     src, tgt = plan.source, plan.target
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     expected_dirs = {rank_dir_name(t, p, e, tgt) for t in range(tgt.tp) for p in range(tgt.pp) for e in range(tgt.ep)}
@@ -45,16 +108,19 @@ def verify_legacy(ckpt, plan, out_root: str) -> dict:
                 path = os.path.join(folder, rank_dir_name(tp, pp, ep, tgt), FILE)
                 pages.register(path)  # both sides are mmapped; each compared pair's pages are dropped after
                 state = safe_torch_load(path, mmap=True, trust=ckpt.trust)
-                _verify_file(ckpt, plan, path, state, tp, pp, ep, counts)
+                _verify_file(ckpt, plan, path, state, tp, pp, ep, counts, same)
                 del state
                 ckpt.release()
                 counts["files"] += 1
+    if stream is not None:
+        counts.update(stream.counts)
     if merge.is_merge(plan):
         counts["experts_are"] = "usage-weighted merges of their clusters (not bit-exact copies)"
     return counts
 
 
-def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
+def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts, same=None) -> None:
+    same = same or equal_in_blocks
     tgt = plan.target
     source = ckpt.state(tp, pp, 0)
     wanted = {k for k in kept_fields(KEPT_FIELDS, plan.options) if k in source} | set(ckpt.chunks)
@@ -83,7 +149,7 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
                 source_id = plan.kept[layer][tgt.global_id(ep, tp, j)]
                 got = codec.get(model, prefix, j, n_local)
                 want = merge.expert(ckpt, plan, layer, source_id, tp)
-                if set(got) != set(want) or not all(equal_in_blocks(got[n], want[n]) for n in want):
+                if set(got) != set(want) or not all(same(got[n], want[n]) for n in want):
                     _fail(path, f"{layer.name} local expert {j} differs from source expert {source_id}")
                 pages.drop(*got.values(), *want.values())
                 counts["experts"] += 1
@@ -99,7 +165,7 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts) -> None:
         if rest_src != rest_new:
             _fail(path, f"{chunk}: non-expert keys differ: {sorted(rest_src ^ rest_new)[:4]}")
         for key in rest_src:
-            if not equal_in_blocks(model[key], src_model[key]):
+            if not same(model[key], src_model[key]):
                 _fail(path, f"{chunk}.{key} differs from the source")
             if isinstance(model[key], torch.Tensor):
                 pages.drop(model[key], src_model[key])
@@ -112,9 +178,10 @@ def _same_object(a, b) -> bool:
     return bit_equal(a, b)
 
 
-def verify_dist(ckpt, plan, out_root: str) -> dict:
-    """Re-read a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
-    router rows bit-exact, every other tensor and object identical, common args rewritten, tracker."""
+def verify_dist(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
+    """Check a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
+    router rows bit-exact, every other tensor and object identical, common args rewritten, tracker. With
+    `stream` (the written records' digests) stored chunks are compared by digest, not re-read."""
     from mindspeed_proxy.proxy import dist_io as D
     from mindspeed_proxy.proxy.dist_chunks import ChunkReader
 
@@ -136,7 +203,7 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
         if D.is_stacked(key) and out.layers_of[key] != src.layers_of[key]:
             _fail(folder, f"{key} stored for layers {out.layers_of[key]}, source {src.layers_of[key]}")
         layers = len(src.layers_of[key]) if D.is_stacked(key) else 1
-        _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader)
+        _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader, stream or equal_in_blocks)
         if not D.is_sliced(key):
             counts["other_tensors"] += layers
         else:
@@ -150,15 +217,18 @@ def verify_dist(ckpt, plan, out_root: str) -> dict:
         if not _same_object(got[name], want[source]):
             _fail(folder, f"object {name} differs from source {source}")
         counts["objects"] += 1
+    if stream is not None:
+        counts.update(stream.counts)
     return counts
 
 
-def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader) -> None:
+def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader, same=None) -> None:
     """Every stored chunk of proxy tensor `key` against the source region it must hold, one chunk at a
     time: unsliced chunks against the same region of the source, sliced ones expert by expert against
     the source expert the plan kept at that position; the chunks must cover the proxy tensor."""
     from mindspeed_proxy.proxy import dist_io as D
 
+    same = same or equal_in_blocks
     stored, total = got_reader.chunks(key), 0
     per_layer = 1
     for n in want_shape[1:] if D.is_stacked(key) else want_shape:
@@ -168,7 +238,7 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
             _fail(folder, f"{key}: chunk {list(offsets)}+{list(sizes)} outside {list(want_shape)}")
         total += _numel(sizes)
         if not D.is_sliced(key):
-            if not equal_in_blocks(got_reader.read(key, offsets), src_reader.region(key, offsets, sizes)):
+            if not same(got_reader.read(key, offsets), src_reader.region(key, offsets, sizes)):
                 _fail(folder, f"{key} at {list(offsets)} differs from the source")
             continue
         a = D.expert_axis(key)
@@ -179,7 +249,7 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
         for j in range(offsets[a], offsets[a] + sizes[a]):
             where = offsets[:a] + (kept[j],) + offsets[a + 1:]
             want = src_reader.region(key, where, sizes[:a] + (1,) + sizes[a + 1:])
-            if not equal_in_blocks(got.narrow(a, j - offsets[a], 1), want):
+            if not same(got.narrow(a, j - offsets[a], 1), want):
                 _fail(folder, f"{key} at {list(offsets)}: proxy expert {j} differs from source expert {kept[j]}")
     if total != per_layer * layers:
         _fail(folder, f"{key}: stored chunks hold {total} elements, expected {per_layer * layers}")

@@ -43,14 +43,20 @@ def test_legacy_verification_refuses_wrong_expert_and_flipped_byte(checkpoints, 
     options = Options(target_ep=1, target_k=4)
     convert(src, out, options, echo=lambda *a: None)
     assert not os.path.exists(os.path.join(out, ".scratch"))
-    # the source hashes, computed on a background thread, are the plain SHA-256 of every source file
-    from mindspeed_proxy.proxy.manifest import sha256
+    # the source digests, taken by the one source pass on background threads, are the plain digests
+    # (XXH3-128, or SHA-256 without xxhash) of every source file, under the algorithm's name
+    from mindspeed_proxy.proxy import hashing
 
-    recorded = json.load(open(os.path.join(out, "proxy_manifest.json")))["source"]["sha256"]
+    source = json.load(open(os.path.join(out, "proxy_manifest.json")))["source"]
+    recorded = source["digests"]
     files = sorted(os.path.relpath(os.path.join(b, f), src) for b, _, fs in os.walk(os.path.join(src, "iter_0000002"))
                    for f in fs)
-    assert sorted(recorded) == files and len(files) == 2
-    assert all(recorded[f] == sha256(os.path.join(src, f)) for f in files)
+    assert source["hash"] == hashing.ALGORITHM and sorted(recorded) == files and len(files) == 2
+    assert all(recorded[f] == hashing.file_digest(os.path.join(src, f)) for f in files)
+    if hashing.ALGORITHM == "sha256":
+        import hashlib
+
+        assert recorded[files[0]] == hashlib.sha256(open(os.path.join(src, files[0]), "rb").read()).hexdigest()
     ckpt = LegacyCheckpoint(src)
     plan = make_plan(ckpt, options)
     assert verify_legacy(ckpt, plan, out)["experts"] == 2 * 4  # 2 MoE layers x 4 kept experts
@@ -102,7 +108,8 @@ def test_dist_verification_refuses_wrong_expert_and_flipped_byte(dist_checkpoint
         tensor = reader.read(fc1, offsets)
         needle = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
         del tensor, reader
-        shard = os.path.join(folder, "__0_0.distcp")
+        shards = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".distcp")]
+        shard = next(p for p in shards if needle in open(p, "rb").read())  # --workers: one file per thread
         data = open(shard, "rb").read()
         assert data.count(needle) == 1
         _flip_byte(shard, data.index(needle) + 5)
