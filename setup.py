@@ -37,6 +37,9 @@ setup(
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
         # transformers (tested on 5.23.0, which needs no newer torch) builds the tiny models of the tests
         "hf": ["safetensors>=0.8", "transformers==5.23.0"],
+        # the DeepSpeed host (mindspeed_proxy.hosts.deepspeed); not in `test`: its tests compile DeepSpeed's CPU
+        # comm op on first use and run 2-rank ZeRO jobs (they skip, with the reason, when deepspeed is absent)
+        "deepspeed": ["deepspeed==0.19.8", "transformers==5.23.0"],
     },
     entry_points={"console_scripts": ["mindspeed-proxy=mindspeed_proxy.cli:main"]},
 )

@@ -1,0 +1,98 @@
+"""DeepSpeed as a host of the mechanism monitor: `attach_monitor(engine, config)` on a Hugging Face MoE model.
+
+```python
+engine, *_ = deepspeed.initialize(model=model, config="ds_config.json", model_parameters=model.parameters())
+monitor = attach_monitor(engine, "ds_config.json")     # reads its "mechanism_monitor": {...} block
+for batch in data:
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    monitor.step()                                      # after every engine.step(), on every rank
+monitor.close()
+```
+
+Nothing of DeepSpeed is patched: router logits come from forward hooks on the gate modules
+(`register_forward_hook`), the step count from `engine.global_steps`, ZeRO-3 parameters are gathered with
+`deepspeed.zero.GatheredParameters` one decoder layer at a time, and the data-parallel group is the engine's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+
+import torch.distributed as dist
+
+from mindspeed_proxy.hosts.hf_monitor import HFMonitor, dp_groups
+from mindspeed_proxy.monitor.config import MonitorConfig
+
+BLOCK = "mechanism_monitor"
+
+
+def monitor_config(config) -> MonitorConfig:
+    """The MonitorConfig of `config`: a MonitorConfig, a DeepSpeed config (dict or JSON file) holding a
+    "mechanism_monitor" block, or the monitor's own mapping / JSON / YAML file. ValueError naming what is wrong."""
+    if isinstance(config, MonitorConfig):
+        return config
+    where = "DeepSpeed config"
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if path.endswith((".yaml", ".yml")):
+            return MonitorConfig.from_file(path)
+        where = path
+        try:
+            with open(path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot read the config ({type(exc).__name__}: {exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(config).__name__}")
+    block = config.get(BLOCK, config if "train_batch_size" not in config and
+                       "train_micro_batch_size_per_gpu" not in config else None)
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: no \"{BLOCK}\" block (a mapping of monitor settings)")
+    try:
+        return MonitorConfig.from_dict(block)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: \"{BLOCK}\": {exc}") from None
+
+
+def zero3_gather(params):
+    """Gather the ZeRO-3-partitioned ones among `params` for the block (every rank must enter); read-only."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+class DeepSpeedMonitor(HFMonitor):
+    """HFMonitor driven by a DeepSpeed engine: call `step()` after every `engine.step()` on every rank."""
+
+    def __init__(self, engine, config, tensorboard_writer=None, wandb_writer=None):
+        self.engine = engine
+        group = getattr(engine, "data_parallel_group", None)
+        super().__init__(monitor_config(config), engine.module, groups=dp_groups(group), gather=zero3_gather,
+                         tensorboard_writer=tensorboard_writer, wandb_writer=wandb_writer,
+                         iteration=engine.global_steps)
+        self._seen_step = engine.global_steps
+
+    def step(self) -> None:
+        """Run what is due if the engine finished an optimizer step since the last call (gradient
+        accumulation: engine.step() steps only at the boundary; a call without a new step does nothing)."""
+        iteration = self.engine.global_steps
+        if iteration == self._seen_step:
+            return
+        self._seen_step = iteration
+        self.after_optimizer_step(iteration)
+
+
+def attach_monitor(engine, config, tensorboard_writer=None, wandb_writer=None) -> DeepSpeedMonitor:
+    """Attach the mechanism monitor to a DeepSpeed engine wrapping a transformers MoE model (every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("attach_monitor: torch.distributed is not initialised (call deepspeed.initialize first)")
+    return DeepSpeedMonitor(engine, config, tensorboard_writer, wandb_writer)
+
+
