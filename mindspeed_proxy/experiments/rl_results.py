@@ -53,9 +53,18 @@ def calibrate_all(cfg: dict, work, stages: dict) -> dict:
     return cals
 
 
+def online_nonfinite(run_dir) -> list[dict]:
+    """The run's online `non-finite` alerts (provenance of a non-finite step: no threshold, nothing to replay)."""
+    from mindspeed_proxy.experiments.rl_matrix import read_jsonl
+
+    monitor = Path(run_dir) / "mechanism_monitor" / "monitor.jsonl"
+    return [a for a in read_jsonl(monitor) if a.get("type") == "alert" and a.get("kind") == "non-finite"] \
+        if monitor.is_file() else []
+
+
 def record(cfg: dict, r: RunResult, config_path) -> dict:
     """A run's analysis record with the alerts `config_path` replays (online alerts when None)."""
-    alerts = replayed_alerts(r.run_dir, config_path) if config_path else None
+    alerts = replayed_alerts(r.run_dir, config_path) + online_nonfinite(r.run_dir) if config_path else None
     log = Path(r.run_dir) / "run.log"
     stopped = bool(r.returncode) and log.is_file() and NONFINITE_STOP in log.read_text(errors="replace")
     return {**run_data(r.run_dir, fault_onset(r.spec), cfg["collapse"], alerts=alerts, stopped=stopped), "result": r}

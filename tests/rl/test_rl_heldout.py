@@ -1,4 +1,6 @@
 """The RL matrix's held-out table maths against hand-computed values on made-up records."""
+import json
+
 import pytest
 
 from mindspeed_proxy.experiments import rl_heldout as H
@@ -77,3 +79,19 @@ def test_command_hash_ignores_the_port_and_sees_config_bytes(tmp_path):
     assert command_hash(base) != before
     assert command_hash([*base, "--seed", "3"]) != command_hash([*base, "--seed", "4"])
     RunResult("n", "original", "none", None, ".", 1, 1, 0, 0.0, 0.0)  # the record type the stages write
+
+
+def test_replay_keeps_the_online_non_finite_alert_only(tmp_path):
+    """A non-finite step's provenance alert has no threshold: the held-out records keep it beside the replay."""
+    from mindspeed_proxy.experiments.rl_results import online_nonfinite
+
+    mon = tmp_path / "mechanism_monitor"
+    mon.mkdir()
+    recs = [{"type": "alert", "step": 5, "family": "rl", "kind": "threshold", "mechanism": "routing-mismatch"},
+            {"type": "non-finite", "step": 20, "origin": "decoder.layers.0.mlp.router.weight"},
+            {"type": "alert", "step": 20, "family": "non-finite", "kind": "non-finite",
+             "mechanism": "non-finite: origin decoder.layers.0.mlp.router.weight (rank 0)"}]
+    (mon / "monitor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    kept = online_nonfinite(tmp_path)
+    assert [(a["step"], a["family"]) for a in kept] == [(20, "non-finite")]
+    assert online_nonfinite(tmp_path / "missing") == []
