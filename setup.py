@@ -24,9 +24,11 @@ setup(
         "psutil",  # megatron dist_checkpointing imports it
     ],
     extras_require={
-        # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn"],
-        "report": ["matplotlib"],
+        # pytest-xdist spreads `make test` over the cores (its workers share built checkpoints through
+        # mindspeed_proxy/locking.py)
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn"],
+        # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
+        "report": ["matplotlib", "markdown-it-py"],
         "npu": ["torch_npu"],
         "proxy": ["scipy", "scikit-learn", "tqdm"],
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
