@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -85,8 +86,13 @@ def _package_info_path() -> str | None:
     module = sys.modules.get("megatron.core.package_info")
     if module is not None:
         return getattr(module, "__file__", None)
-    try:
-        spec = importlib.util.find_spec("megatron.core")
+    try:  # found on the path without importing anything (find_spec("megatron.core") would import `megatron`)
+        top = sys.modules.get("megatron")
+        locations = list(getattr(top, "__path__", None) or []) if top is not None else None
+        if locations is None:
+            top_spec = importlib.util.find_spec("megatron")
+            locations = list(top_spec.submodule_search_locations or []) if top_spec is not None else []
+        spec = importlib.machinery.PathFinder.find_spec("megatron.core", locations) if locations else None
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
