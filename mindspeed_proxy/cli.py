@@ -48,7 +48,8 @@ def _usage(table: dict, prefix: str) -> None:
 
 
 def resolve(argv: list) -> tuple:
-    """(entry function, prog, remaining argv) of the command `argv` names; None for the function if none."""
+    """(entry function, prog, the command table reached, remaining argv) of the command `argv` names; the
+    function is None when `argv` names none (the table is then the one whose usage to print)."""
     table, prog = COMMANDS, "mindspeed-proxy"
     while argv and argv[0] in table and isinstance(table[argv[0]], dict):
         table, prog, argv = table[argv[0]], f"{prog} {argv[0]}", argv[1:]
