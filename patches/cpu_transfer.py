@@ -374,7 +374,8 @@ def _register_all() -> None:
         register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=TORCH_SUPPORTED))
     register(Patch("torch.distributed:all_gather", _uneven_all_gather, FEATURE, versions=TORCH_SUPPORTED))
     register(Patch("torch.distributed:reduce_scatter", _uneven_reduce_scatter, FEATURE, versions=TORCH_SUPPORTED))
-    versions = {"torch": TORCH_SUPPORTED, "megatron-core": MEGATRON_CORE_SUPPORTED, "megatron-lm": MEGATRON_LM_SUPPORTED}
+    versions = {"torch": TORCH_SUPPORTED, "megatron-core": MEGATRON_CORE_SUPPORTED,
+                "megatron-lm": MEGATRON_LM_SUPPORTED}
     for target, build, optional, key in cpu_parallel.rows():
         register(Patch(target, build, FEATURE, versions=versions[key], optional=optional,
                        description=build.__doc__.strip().splitlines()[0]))
