@@ -25,12 +25,12 @@ setup(
         "threadpoolctl",  # the monitor limits numpy's BLAS pool around its small calls (monitor/threads.py)
     ],
     extras_require={
-        # pytest-xdist spreads `make test` over the cores; filelock lets its workers share built checkpoints
-        # tensorboard: the tests read the monitor's tags back from the event files
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "filelock", "pyyaml", "scipy", "scikit-learn",
-                 "tensorboard"],
+        # pytest-xdist spreads `make test` over the cores (its workers share built checkpoints through
+        # mindspeed_proxy/locking.py); tensorboard: the tests read the monitor's tags back from the event files
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn", "tensorboard"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
-        "report": ["matplotlib"],
+        # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
+        "report": ["matplotlib", "markdown-it-py"],
         "npu": ["torch_npu"],
         # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)
         "proxy": ["scipy", "scikit-learn", "tqdm", "xxhash"],

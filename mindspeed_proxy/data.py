@@ -246,14 +246,10 @@ def _process_lock(directory: Path):
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         yield
         return
-    import fcntl
+    from mindspeed_proxy.locking import file_lock
 
-    with open(directory / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with file_lock(directory / ".lock"):
+        yield
 
 
 def build_gpt_datasets(data_prefix: str, seq_length: int, seed: int, num_train_samples: int,

@@ -11,6 +11,8 @@ import os
 import runpy
 import sys
 
+from mindspeed_proxy.cli import fail
+
 
 def apply_from_argv(argv: list[str]) -> None:
     """Apply the patches, enabling the monitor if `argv` carries --enable-mechanism-monitor."""
@@ -30,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     script = argv[0]
     if not os.path.isfile(script):
-        print(f"mindspeed_proxy.run: error: {script}: no such script", file=sys.stderr)
-        raise SystemExit(2)
+        fail("mindspeed_proxy.run", f"{script}: no such script")
     from mindspeed_proxy.patches.registry import UnsupportedVersionError
 
     try:
@@ -43,8 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         print(exc, file=sys.stderr)
         raise SystemExit(2) from None
     except ValueError as exc:
-        print(f"mindspeed_proxy.run: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail("mindspeed_proxy.run", exc)
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -5,7 +5,8 @@ applies the registry rows of the `mechanism-monitor` feature, or, when MindSpeed
 registers them by dotted path with MindSpeed's patch manager: MindSpeed applies them with its own when
 its adaptor is imported afterwards; when MindSpeed has applied its patches already, they are applied at
 once through the manager, so MindSpeed's decorator stacking holds. The MindSpeed feature-list route is
-`mindspeed_proxy.patches.mindspeed_feature`.
+`mindspeed_proxy.patches.mindspeed_feature`. It returns an `Applied` handle: `revert()` (or leaving a
+`with patches.apply(...):` block) puts back every attribute it patched and forgets the monitor state.
 """
 from __future__ import annotations
 
@@ -13,10 +14,22 @@ from typing import Any, Optional
 
 from mindspeed_proxy.patches import watchdog
 from mindspeed_proxy.patches.mindspeed_manager import mindspeed_has_applied, mindspeed_manager, register_with_mindspeed
-from mindspeed_proxy.patches.registry import apply_feature
+from mindspeed_proxy.patches.registry import Applied, apply_feature
 from mindspeed_proxy.patches.runtime import RUNTIME
 
-__all__ = ["apply", "active_monitor", "register_with_mindspeed"]
+__all__ = ["apply", "active_monitor", "register_with_mindspeed", "Applied"]
+
+
+class _RuntimeReset(Applied):
+    """The part of an apply() handle that forgets what it configured: the monitor, its config, the faults."""
+
+    def revert(self) -> list[str]:
+        """Disarm the first-step check and reset the runtime (once)."""
+        if not self.reverted:
+            self.reverted = True
+            watchdog.disarm()
+            RUNTIME.reset()
+        return []
 
 
 def _mindspeed_manager():
@@ -24,12 +37,12 @@ def _mindspeed_manager():
     return mindspeed_manager()
 
 
-def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) -> list[str]:
+def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) -> Applied:
     """Install the patches once; with `enable_monitor`, monitor every optimizer built afterwards.
 
     `config` is a MonitorConfig, a dict, a JSON/YAML path, or None for the defaults. `faults` are
-    "NAME[:key=value,...]" strings or FaultSpec objects. Returns the patched targets (or the dotted
-    paths registered with MindSpeed).
+    "NAME[:key=value,...]" strings or FaultSpec objects. Returns the Applied handle of the patched targets (a
+    list; with MindSpeed, the dotted paths registered with its manager, which MindSpeed applies and removes).
     """
     from mindspeed_proxy.faults.spec import FaultSpec, parse_fault
     from mindspeed_proxy.monitor.config import MonitorConfig
@@ -53,9 +66,12 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) 
         if any(f.name == "lowp-attention" for f in RUNTIME.faults):
             features.append(fault_patches.LOWP_FEATURE)
     manager = _mindspeed_manager()
-    done = []
+    done = Applied(children=[_RuntimeReset()])
     for feature in features:
-        done += register_with_mindspeed(manager, feature) if manager is not None else apply_feature(feature)
+        if manager is not None:
+            done.extend(register_with_mindspeed(manager, feature))
+        else:
+            done.add(apply_feature(feature))
     if manager is not None:
         RUNTIME.mindspeed_manager = manager
         if mindspeed_has_applied(manager):

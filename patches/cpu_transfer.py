@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from mindspeed_proxy.patches import cpu_parallel
-from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, Patch, apply_feature, register,
-                                              revert_feature)
+from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
+                                              apply_feature, register, revert_feature)
 
 FEATURE = "cpu-platform"
 # megatron-core versions (= Megatron-LM core_vX.Y tags) the Megatron-LM training rows below are
@@ -329,6 +329,11 @@ def _allow_no_cuda(original):
     return initialize_megatron
 
 
+def _same(original):
+    """The target as it is (None where the row created it)."""
+    return original
+
+
 def _no_fused_kernels(_original):
     """Megatron-LM's legacy `fused_kernels.load(args)` probes `$CUDA_HOME/bin/nvcc` (CUDA_HOME is None
     without CUDA) to build CUDA kernels; on CPU there is nothing to build and the eager paths are used."""
@@ -341,7 +346,7 @@ def _no_fused_kernels(_original):
 
 def _register_all() -> None:
     for name in _FACTORIES:
-        register(Patch(f"torch:{name}", _factory, FEATURE, versions="", optional=True))
+        register(Patch(f"torch:{name}", _factory, FEATURE, versions=TORCH_SUPPORTED, optional=True))
     tensor_rows = [
         ("Tensor.to", _to), ("Tensor.cuda", _tensor_cuda), ("Tensor.type", _tensor_type),
         ("Tensor.pin_memory", _tensor_pin_memory), ("nn.Module.cuda", _module_cuda),
@@ -349,7 +354,7 @@ def _register_all() -> None:
     ] + [(f"Tensor.{n}", _tensor_new) for n in ("new_empty", "new_zeros", "new_ones", "new_full",
                                                 "new_tensor", "new_empty_strided")]
     for attr, build in tensor_rows:
-        register(Patch(f"torch:{attr}", build, FEATURE, versions=""))
+        register(Patch(f"torch:{attr}", build, FEATURE, versions=TORCH_SUPPORTED))
     cuda_rows = [
         ("current_device", _const(0)), ("device_count", _const(1)), ("set_device", _noop),
         ("synchronize", _noop), ("empty_cache", _noop), ("memory_allocated", _const(0)),
@@ -366,18 +371,17 @@ def _register_all() -> None:
         ("nvtx.range", _stream_ctx),
     ]
     for attr, build in cuda_rows:
-        register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=""))
-    register(Patch("torch.distributed:all_gather", _uneven_all_gather, FEATURE, versions=""))
-    register(Patch("torch.distributed:reduce_scatter", _uneven_reduce_scatter, FEATURE, versions=""))
-    versions = {"torch": "", "megatron-core": MEGATRON_CORE_SUPPORTED, "megatron-lm": MEGATRON_LM_SUPPORTED}
+        register(Patch(f"torch:cuda.{attr}", build, FEATURE, versions=TORCH_SUPPORTED))
+    register(Patch("torch.distributed:all_gather", _uneven_all_gather, FEATURE, versions=TORCH_SUPPORTED))
+    register(Patch("torch.distributed:reduce_scatter", _uneven_reduce_scatter, FEATURE, versions=TORCH_SUPPORTED))
+    versions = {"torch": TORCH_SUPPORTED, "megatron-core": MEGATRON_CORE_SUPPORTED,
+                "megatron-lm": MEGATRON_LM_SUPPORTED}
     for target, build, optional, key in cpu_parallel.rows():
         register(Patch(target, build, FEATURE, versions=versions[key], optional=optional,
                        description=build.__doc__.strip().splitlines()[0]))
     megatron_rows = [
         ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),
         ("megatron.core.tensor_parallel.random:_get_cuda_rng_state", _megatron_get_rng_state, False),
-        ("megatron.core.transformer.moe.moe_utils:te_general_gemm",
-         lambda original: original, True),
         # the legacy GroupedMLP and its grouped_gemm_util are gone from core_v0.17 (grouped GEMM is TE-only)
         ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
          _fallback(_GroupedGemmPackage), False, BEFORE_0_17),
@@ -390,6 +394,10 @@ def _register_all() -> None:
     for target, build, optional, *versions in megatron_rows:
         register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_CORE_SUPPORTED,
                        optional=optional))
+    # moe_utils calls `te_general_gemm` unguarded, a name it imports only from Transformer Engine: defined as None
+    # (megatron-core's own "no TE" value) where absent, kept where present
+    register(Patch("megatron.core.transformer.moe.moe_utils:te_general_gemm", _same, FEATURE, optional=True,
+                   create=True))
     # Megatron-LM training internals (megatron.training / megatron.legacy): only present when a
     # Megatron-LM checkout is on the path, so every row is optional; gated by MEGATRON_LM_SUPPORTED.
     megatron_lm_rows = [

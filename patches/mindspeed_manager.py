@@ -1,10 +1,11 @@
 """Our registry rows through MindSpeed's patch manager (`mindspeed.patch_utils.MindSpeedPatchesManager`).
 
 MindSpeed names a patch by dotted path and stacks a function whose name ends in `wrapper` as a decorator
-of the original (ours all do), so our rows and MindSpeed's own patches on the same function compose. Each
-row passes its megatron-core version gate first (`registry.applies`); an optional row whose module is
-absent (e.g. `megatron.training.*` on a megatron-core-only install) is not registered, since the
-manager's `apply_patches()` raises ModuleNotFoundError on it.
+of the original (ours all do), so our rows and MindSpeed's own patches on the same function compose. The rows
+are the registry's one selection (`registry.rows_for`: the version checks, then each row's gate), as on the
+direct route; an optional row whose module is absent (e.g. `megatron.training.*` on a megatron-core-only
+install), or whose attribute is absent from a module already imported, is not registered, since the manager's
+`apply_patches()` raises on it (ModuleNotFoundError / RuntimeError; it never creates an attribute unless asked).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import importlib.machinery
 import importlib.util
 import sys
 
-from mindspeed_proxy.patches.registry import UnsupportedVersionError, applies, megatron_core_version, table
+from mindspeed_proxy.patches.registry import rows_for
 
 
 def mindspeed_manager():
@@ -46,24 +47,32 @@ def dotted(target: str) -> str:
     return f"{module}.{attr}"
 
 
-def register_with_mindspeed(manager, feature: str, arguments: bool = True) -> list[str]:
-    """Register every row of `feature` with MindSpeed's manager by dotted path; return the paths.
+def attribute_absent(target: str) -> bool:
+    """Whether a target's module is imported already and lacks the attribute (never imports anything)."""
+    module_name, _, attr_path = target.partition(":")
+    owner = sys.modules.get(module_name)
+    for part in attr_path.split(".") if owner is not None else ():
+        if not hasattr(owner, part):
+            return True
+        owner = getattr(owner, part)
+    return False
 
-    A row outside its megatron-core versions raises UnsupportedVersionError (one line, as `apply_feature`);
-    an optional row whose module is absent is skipped. `arguments=False` leaves out the rows that add our
-    flags to Megatron-LM's parser (a MindSpeed feature adds them through `register_args` instead).
+
+def register_with_mindspeed(manager, feature: str, arguments: bool = True) -> list[str]:
+    """Register the rows `rows_for(feature)` selects with MindSpeed's manager by dotted path; return the paths.
+
+    Versions outside the supported range raise UnsupportedVersionError (one line, as `apply_feature`); a row
+    whose gate excludes them is left out; an optional row whose target is absent is skipped. `arguments=False`
+    leaves out the rows that add our flags to Megatron-LM's parser (a MindSpeed feature adds them through
+    `register_args` instead).
     """
     done = []
-    for patch in table():
-        if patch.feature != feature or (not arguments and patch.build.__name__ == "parse_args_wrapper"):
+    for patch in rows_for(feature):
+        if not arguments and patch.build.__name__ == "parse_args_wrapper":
             continue
         module = patch.target.partition(":")[0]
-        if patch.optional and not module_present(module):
+        if patch.optional and (not module_present(module) or attribute_absent(patch.target)):
             continue
-        if not applies(patch):
-            raise UnsupportedVersionError(
-                f"mindspeed-proxy: megatron-core {megatron_core_version()} is not supported by patch "
-                f"{patch.target} (feature {feature}, written for megatron-core {patch.versions})")
         manager.register_patch(dotted(patch.target), patch.build)
         done.append(dotted(patch.target))
     return done

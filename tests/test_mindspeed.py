@@ -246,6 +246,30 @@ def test_rows_for_absent_modules_do_not_crash_apply_patches(config_path):
     assert "megatron.training" in out["unfiltered"]  # what registering it anyway does to MindSpeed's apply_patches
 
 
+def gated_rows(root):
+    """Our rows under MindSpeed's real manager go through the registry's one selection: a row gated off this
+    megatron-core and an optional row whose attribute is absent are left out, and apply_patches() then runs."""
+    load_mindspeed(root)
+    import megatron.core.optimizer  # noqa: F401  (imported: its missing attribute is seen without importing)
+    from mindspeed.patch_utils import MindSpeedPatchesManager as pm
+
+    from mindspeed_proxy.patches.mindspeed_manager import register_with_mindspeed
+    from mindspeed_proxy.patches.registry import Patch, register
+
+    register(Patch("megatron.core.optimizer:get_megatron_optimizer", _identity_wrapper, "t-gates"))
+    register(Patch("megatron.core.optimizer:OptimizerConfig", _identity_wrapper, "t-gates", versions="<0.1"))
+    register(Patch("megatron.core.optimizer:no_such_attribute", _identity_wrapper, "t-gates", optional=True))
+    out = {"paths": register_with_mindspeed(pm, "t-gates")}
+    pm.apply_patches()
+    out["registered"] = sorted(k for k in pm.patches_info if k.startswith("megatron.core.optimizer"))
+    return out
+
+
+def test_the_mindspeed_route_applies_the_version_gates_and_skips_absent_optional_rows():
+    out = run_distributed(gated_rows, 1, MINDSPEED)[0]
+    assert out["paths"] == out["registered"] == ["megatron.core.optimizer.get_megatron_optimizer"]
+
+
 def validation_errors(root):
     """MindSpeedFeaturesManager.validate_features_args over our features: bad flags raise, a config passes."""
     from argparse import Namespace

@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     """Runs, then calibration, replay, tables and raw files."""
     p, a = parse(argv)
     from mindspeed_proxy.experiments.matrix import Progress
+    from mindspeed_proxy.cli import error
     from mindspeed_proxy.experiments.rl_matrix import load_rl_config
     from mindspeed_proxy.experiments.rl_page import markdown
     from mindspeed_proxy.experiments.rl_results import analyse_all, export_raw
@@ -99,8 +100,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_rl_config(a.config)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"rl_fault_matrix.py: error: {exc}", file=sys.stderr)
-        return 2
+        return error("rl_fault_matrix.py", exc)
     seeds = select(p, a, cfg)
     progress = Progress()
     work = os.path.abspath(a.work_dir)

@@ -24,11 +24,12 @@ MODELS = ("original", "proxy")
 
 
 def load_config(path, mode: str = "quick") -> dict:
-    """The experiment YAML with `modes[mode]` merged over it; relative paths resolved against the file."""
-    import yaml
+    """The experiment YAML (checked against experiments.config.FaultMatrix) with `modes[mode]` merged over it;
+    relative paths resolved against the file."""
+    from mindspeed_proxy.experiments.config import FaultMatrix, read_typed
 
     path = Path(path).resolve()
-    cfg = yaml.safe_load(path.read_text())
+    cfg = read_typed(path, FaultMatrix)
     overrides = (cfg.get("modes") or {}).get(mode)
     if overrides is None:
         raise ValueError(f"{path}: no mode {mode!r} (known: {sorted(cfg.get('modes') or {})})")

@@ -24,11 +24,12 @@ SEED_LISTS = ("tuning_seeds", "heldout_seeds")
 
 
 def load_rl_config(path) -> dict:
-    """The RL matrix YAML, with each fault spec's {onset} filled in (ValueError names a bad entry)."""
-    import yaml
+    """The RL matrix YAML (checked against experiments.config.RLFaultMatrix), with each fault spec's {onset}
+    filled in (ValueError names a bad entry)."""
+    from mindspeed_proxy.experiments.config import RLFaultMatrix, read_typed
 
     path = Path(path).resolve()
-    cfg = yaml.safe_load(path.read_text())
+    cfg = read_typed(path, RLFaultMatrix)
     cfg["faults"] = {k: (v.format(onset=cfg["onset"]) if v else None) for k, v in cfg["faults"].items()}
     bad = [f for f in cfg["r3_controls"] if f not in cfg["faults"]]
     if bad:

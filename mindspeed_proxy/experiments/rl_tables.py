@@ -5,6 +5,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from mindspeed_proxy.experiments.rl_matrix import read_jsonl
 
 ROUTING = "routing-mismatch"
@@ -41,17 +43,16 @@ def moving_average(values: list[float], width: int) -> list[float]:
 
 
 def pearson(a: list[float], b: list[float]) -> Optional[float]:
-    """Pearson correlation of two series (their common length); None when one is constant."""
+    """Pearson correlation of two series (their common length, scipy.stats.pearsonr); None when one is constant."""
     n = min(len(a), len(b))
     if n < 2:
         return None
-    a, b = a[:n], b[:n]
-    ma, mb = sum(a) / n, sum(b) / n
-    va = math.sqrt(sum((x - ma) ** 2 for x in a))
-    vb = math.sqrt(sum((y - mb) ** 2 for y in b))
-    if not va or not vb:
+    x, y = np.asarray(a[:n], dtype=np.float64), np.asarray(b[:n], dtype=np.float64)
+    if np.all(x == x[0]) or np.all(y == y[0]):
         return None
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (va * vb)
+    from scipy.stats import pearsonr
+
+    return float(pearsonr(x, y)[0])
 
 
 def run_data(run_dir, onset: Optional[int], collapse: dict, alerts: Optional[list] = None,

@@ -47,9 +47,6 @@ def monitor_config_from_args(args: argparse.Namespace, default_output: str = "me
         value = getattr(args, f"mechanism_monitor_{key}", None)
         if value is not None:
             data[key.replace("collect_", "")] = value
-    interval = data.get("interval", MonitorConfig.interval)
-    if data.get("delta", MonitorConfig.delta) > interval and getattr(args, "mechanism_monitor_delta", None) is None:
-        data["delta"] = interval  # an interval below the default δ brings δ down with it
     data["output_dir"] = getattr(args, "mechanism_monitor_output", None) or data.get("output_dir") or default_output
     return MonitorConfig.from_dict(data)
 

@@ -14,6 +14,7 @@ ROUTER_TOKEN_METRICS = ("entropy", "normalized_entropy", "load_entropy", "max_ov
                         "overload", "margin", "winner_persistence")
 ROUTER_WEIGHT_METRICS = ("similarity", "conditioning_ratio")
 UPDATE_MATRICES = ("linear_qkv", "linear_proj", "router", "experts", "dense_mlp")
+DEFAULT_DELTA = 100  # δ when none is given: min(DEFAULT_DELTA, interval)
 
 
 @dataclass
@@ -21,7 +22,7 @@ class MonitorConfig:
     """Every knob of the mechanism monitor (JSON/YAML loadable with `from_file`)."""
 
     interval: int = 100  # spectral sample every `interval` optimizer steps
-    delta: int = 100  # δ: ΔW = W_t − W_{t−δ}; 1 ≤ δ ≤ interval
+    delta: Optional[int] = None  # δ: ΔW = W_t − W_{t−δ}; 1 ≤ δ ≤ interval; None: min(100, interval)
     router_interval: int = 10  # router token statistics accumulate over N steps, then reduce/log/test
     layers: Optional[list[int]] = None  # 0-based global layer indices; None = all
     heads: Optional[list[int]] = None  # global query-head indices for the QK monitor; None = all
@@ -70,6 +71,19 @@ class MonitorConfig:
     expert_features_steps: int = 1  # sampled steps in the window; written after the last (or at training end)
 
     def __post_init__(self):
+        if self.delta is None:  # derived (docs/monitor.md); a δ given above the interval is refused below
+            self.delta = min(DEFAULT_DELTA, self.interval) if isinstance(self.interval, int) else DEFAULT_DELTA
+        for name in ("interval", "delta", "router_interval", "qk_gram_reuse", "experts_per_layer", "log_rank",
+                     "detect_start"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
+        for name in ("qk_terms", "update_matrices", "families", "sinks", "detect_slots"):
+            if not isinstance(getattr(self, name), list):
+                raise ValueError(f"{name}: expected a list, got {getattr(self, name)!r}")
+        bad = [f for f in self.families if f not in FAMILIES]
+        if bad:
+            raise ValueError(f"families: unknown {bad}; expected a subset of {list(FAMILIES)}")
         if isinstance(self.detector, dict):
             self.detector = DetectorConfig(**self.detector)
         if isinstance(self.router_detector, dict):
@@ -90,7 +104,7 @@ class MonitorConfig:
                     raise ValueError(f"metric_detectors {family}/{metric}: {exc}") from None
         if self.interval < 1 or not 1 <= self.delta <= self.interval:
             raise ValueError(f"need interval ≥ 1 and 1 ≤ delta ≤ interval, got interval={self.interval}, "
-                             f"delta={self.delta}")
+                             f"delta={self.delta} (δ is never lowered for you: give a δ ≤ interval)")
         if self.qk_gram_reuse < 0:
             raise ValueError(f"qk_gram_reuse must be ≥ 0, got {self.qk_gram_reuse}")
         if self.router_interval < 1:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
@@ -198,11 +198,3 @@ def winner_persistence(prev_load: torch.Tensor, cur_load: torch.Tensor, top: Opt
 def _top_mask(load: torch.Tensor, n: int) -> torch.Tensor:
     idx = torch.topk(load, n, dim=-1).indices
     return torch.zeros(load.shape, dtype=torch.bool, device=load.device).scatter(-1, idx, True)
-
-
-def per_layer_dicts(summary: dict[str, torch.Tensor], keys: Sequence[str] = ()) -> list[dict[str, float]]:
-    """Convert a RouterStats summary to one dict of Python floats per layer (one host transfer per key)."""
-    keys = keys or [k for k, v in summary.items() if v.dim() == 1]
-    columns = {k: summary[k].tolist() for k in keys}
-    num_layers = len(next(iter(columns.values()))) if columns else 0
-    return [{k: columns[k][i] for k in keys} for i in range(num_layers)]

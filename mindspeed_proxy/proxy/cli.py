@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 from typing import Optional
 
@@ -107,37 +106,37 @@ def _check_save_features(args, options) -> None:
 
 
 def default_selection(args) -> str:
-    """--selection as given, else reconstruction (the best in the fidelity table) when calibration data is
-    given and no clustering option is, else cluster (the data-free fallback)."""
+    """--selection as given, else the rule of Options (options.default_selection) on the parsed flags."""
     if args.selection is not None:
         return args.selection
-    clustering = any(v is not None for v in (args.features, args.cluster, args.representative)) or \
-        args.usage_weighted
-    return "reconstruction" if args.calibration_data and not clustering else "cluster"
+    return options_from_args(args).selection
+
+
+def options_from_args(args):
+    """The Options the parsed flags describe: the flags as given, every default resolved by Options itself."""
+    from mindspeed_proxy.proxy.options import Options
+
+    return Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
+                   features=args.features, representative=args.representative, cluster=args.cluster,
+                   usage_weighted=args.usage_weighted, reconstruction_inputs=args.reconstruction_inputs,
+                   seed=args.seed, selection=args.selection, usage_file=args.usage_file,
+                   calibration_data=args.calibration_data, calibration_sequences=args.calibration_sequences,
+                   keep_optimizer_args=args.keep_optimizer_args, trust_checkpoint=args.trust_checkpoint,
+                   non_finite_experts=args.non_finite_experts)
 
 
 def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     """Parse `argv`, convert; 0 on success, one `prog: error: ...` line on stderr and 2 on bad input."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     args = build_parser(prog).parse_args(argv)
+    from mindspeed_proxy.cli import error
     from mindspeed_proxy.proxy.convert import convert, default_workers
 
     if args.workers is not None and args.workers < 1:
-        print(f"{prog}: error: --workers {args.workers}: must be at least 1", file=sys.stderr)
-        return 2
-    from mindspeed_proxy.proxy.plan import Options
+        return error(prog, f"--workers {args.workers}: must be at least 1")
 
-    options = Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
-                      features=args.features or "weights", representative=args.representative or "medoid",
-                      cluster=args.cluster or ("kmeans" if args.usage_weighted else "agglomerative"),
-                      usage_weighted=args.usage_weighted,
-                      reconstruction_inputs=args.reconstruction_inputs,
-                      seed=args.seed, selection=default_selection(args),
-                      usage_file=args.usage_file, calibration_data=args.calibration_data,
-                      calibration_sequences=args.calibration_sequences,
-                      keep_optimizer_args=args.keep_optimizer_args, trust_checkpoint=args.trust_checkpoint,
-                      non_finite_experts=args.non_finite_experts)
     try:
+        options = options_from_args(args)
         _check_save_features(args, options)
         plan = convert(args.load, args.save, options, iteration=args.iteration, dry_run=args.dry_run,
                        overwrite=args.overwrite, fmt=args.format,
@@ -148,6 +147,5 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
             write_features_file(args.save_features, plan.vectors)
             print(f"features written to {args.save_features}")
     except ConversionError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return error(prog, exc)
     return 0

@@ -12,40 +12,9 @@ import torch
 from mindspeed_proxy.proxy import clustering, features, nonfinite, reconstruction
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
+from mindspeed_proxy.proxy.options import Options  # noqa: F401  (re-exported: plan.Options)
 
 REWRITTEN_ARGS = ("num_experts", "expert_model_parallel_size", "world_size", "data_parallel_size")
-
-
-@dataclass
-class Options:
-    """What the user asked for (CLI flags)."""
-
-    target_ep: int
-    target_k: int
-    features: str = "weights"
-    cluster: str = "agglomerative"
-    representative: str = "medoid"  # medoid, usage, saliency (REAP-like) or merge (not bit-exact)
-    usage_weighted: bool = False  # k-means with the experts' usage shares as sample weights
-    seed: int = 0
-    selection: str = "cluster"  # or "random": the baseline of the same K; "usage": the K most-used;
-    # "reconstruction": the K-subset whose layer output best matches the original's (reconstruction.py)
-    reconstruction_inputs: str = "proxy"  # or "original": layer-local scoring (reconstruction.py)
-    usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
-    calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
-    calibration_sequences: int = 64
-    keep_optimizer_args: bool = False  # keep opt_param_scheduler; launch without --finetune
-    trust_checkpoint: bool = False  # full unpickling of the source's .pt files (never the default)
-    non_finite_experts: str = "refuse"  # experts with NaN/Inf weights: refuse, keep (selectable) or exclude
-
-    @property
-    def bit_exact(self) -> bool:
-        """False for --representative merge (kept experts and router rows are usage-weighted averages)."""
-        return self.representative != "merge"
-
-    @property
-    def feature_type(self) -> str:
-        """'weights', 'outputs' or 'file' (features is then the FILE's path)."""
-        return self.features if self.features in ("weights", "outputs") else "file"
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 from typing import Optional
 
+from mindspeed_proxy.cli import error
 from mindspeed_proxy.proxy import model_spec, planner
 from mindspeed_proxy.proxy.errors import ConversionError
 from mindspeed_proxy.proxy.layout import check_k
@@ -183,7 +183,6 @@ def main(argv: Optional[list] = None) -> int:
             except ConversionError as exc:
                 raise ConversionError(f"at --target-expert-parallel-size {refused[0]['ep']}: {exc}") from None
     except ConversionError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return error(PROG, exc)
     print(json.dumps(result, indent=1) if args.json else planner.describe(result, spec, run))
     return 0

@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 
+from mindspeed_proxy.cli import error
 from mindspeed_proxy.monitor.calibration import FORMS, TAILS, CalibrationError, calibrate_statistics
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import FAMILIES
@@ -172,8 +173,7 @@ def main(argv=None) -> int:
                     "uncalibrated": skipped}
             candidates[form] = (results, calibrated_config(config, results, meta))
     except (RunError, ValueError, TypeError, CalibrationError) as exc:
-        print(f"mindspeed-proxy calibrate: error: {exc}", file=sys.stderr)
-        return 2
+        return error("mindspeed-proxy calibrate", exc)
     print(f"{len(runs)} tuning runs, {steps:.0f} steps each on average; budget {rate:g} per 1000 steps = "
           f"{q_total:.4g} per run, split over {len(stats)} statistics")
     chosen = forms[0]

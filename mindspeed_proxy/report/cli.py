@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from mindspeed_proxy.cli import error
 from mindspeed_proxy.report.runs import RunError, load_run
 
 
@@ -17,8 +18,7 @@ def main(argv=None) -> int:
     try:
         load_run(args.run_dir)  # validate before creating anything
     except RunError as exc:
-        print(f"mindspeed-proxy report: error: {exc}", file=sys.stderr)
-        return 2
+        return error("mindspeed-proxy report", exc)
     from mindspeed_proxy.report.report import make_report
 
     summary = make_report(args.run_dir, args.out)
@@ -37,8 +37,7 @@ def compare_main(argv=None) -> int:
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
     except RunError as exc:
-        print(f"mindspeed-proxy compare: error: {exc}", file=sys.stderr)
-        return 2
+        return error("mindspeed-proxy compare", exc)
     from mindspeed_proxy.report.compare import compare_runs, format_table
 
     result = compare_runs(a, b)

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from mindspeed_proxy.cli import error
 from mindspeed_proxy.monitor.detectors import FAMILIES
 from mindspeed_proxy.report.runs import RunError, layer_label, load_run
 
@@ -29,8 +30,7 @@ def main(argv=None) -> int:
         else:
             config = MonitorConfig.from_dict(run.config)
     except (RunError, ValueError, TypeError) as exc:
-        print(f"mindspeed-proxy replay: error: {exc}", file=sys.stderr)
-        return 2
+        return error("mindspeed-proxy replay", exc)
     alerts = replay_alerts(run, config)
     if args.json:
         for alert in alerts:

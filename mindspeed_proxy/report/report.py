@@ -167,50 +167,16 @@ def _markdown(s: dict, plots: list[str]) -> str:
 
 
 def markdown_to_html(md: str, title: str) -> str:
-    """The summary's markdown (headings, bullets, pipe tables, images, code spans) as one self-contained page."""
+    """The summary's markdown (CommonMark with pipe tables, by markdown-it-py) as one self-contained page."""
     import html
-    import re
 
-    def inline(text: str) -> str:
-        text = html.escape(text)
-        text = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", r'<img src="\2" alt="\1" style="max-width:100%">', text)
-        text = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r'<a href="\2">\1</a>', text)
-        return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    from markdown_it import MarkdownIt
 
-    body, table, items = [], [], []
-
-    def flush():
-        if items:
-            body.append("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
-            items.clear()
-        if table:
-            rows = [r for r in table if not set(r.replace("|", "").strip()) <= {"-", ":"}]
-            cells = [[inline(c.strip()) for c in r.strip().strip("|").split("|")] for r in rows]
-            head = "".join(f"<th>{c}</th>" for c in cells[0])
-            rest = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells[1:])
-            body.append(f"<table><tr>{head}</tr>{rest}</table>")
-            table.clear()
-
-    for line in md.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        if line.startswith("- "):
-            if table:
-                flush()
-            items.append(inline(line[2:]))
-            continue
-        flush()
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{inline(line[level:].strip())}</h{level}>")
-        elif line.strip():
-            body.append(f"<p>{inline(line)}</p>")
-    flush()
+    body = MarkdownIt("commonmark").enable("table").render(md)
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:2px 6px}code{background:#f4f4f4}")
+             "td,th{border:1px solid #ccc;padding:2px 6px}code{background:#f4f4f4}img{max-width:100%}")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<style>{style}</style></head><body>\n" + body + "</body></html>\n")
 
 
 def make_report(run_dir, out_dir=None, rule: DivergenceRule = DivergenceRule(), heatmaps: bool = True,

@@ -148,15 +148,23 @@ def _check_rl(args, dp: int, world: int) -> None:
                             f"data-parallel size {dp} (world {world})")
 
 
-def parse(argv, prog: str, rl: bool = True) -> argparse.Namespace:
-    """Parse and check everything that needs no process group; ArgumentError names the flag."""
+def launch_world_size() -> int:
+    """The world size the launcher announces (torchrun's WORLD_SIZE, 1 without one), read where a command starts."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ArgumentError(f"WORLD_SIZE={text!r}: expected a positive integer (set by the launcher)")
+    return int(text)
+
+
+def parse(argv, prog: str, rl: bool = True, world: int = 1) -> argparse.Namespace:
+    """Parse and check everything that needs no process group, for a launch of `world` ranks (given, never read
+    from the environment here; the process group is checked against it later); ArgumentError names the flag."""
     parser = build_parser(prog, rl)
     args = parser.parse_args(argv)
     A.check_finite(parser, args)
     if args.rl_task not in TASKS:
         raise ArgumentError(f"--rl-task {args.rl_task!r}: unknown task; known: {', '.join(TASKS)}")
     task = build_task(args.rl_task, args.rl_partial_credit)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = world // max(args.tensor_model_parallel_size * args.pipeline_model_parallel_size, 1)
     if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ArgumentError("the RL loop runs TP=1, PP=1 (EP, DP and the distributed optimizer are supported); "

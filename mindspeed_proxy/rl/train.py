@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from mindspeed_proxy.cli import error, fail
 from mindspeed_proxy.rl import replay
 from mindspeed_proxy.rl import stats as S
 
@@ -25,11 +26,6 @@ PROG = "mindspeed_proxy.rl.train"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 REWARD_KEYS = ("reward_sum", "reward_sq_sum", "rows", "exact", "length_sum", "nonzero_groups", "groups")
 
-
-def fail(prog: str, message: str) -> None:
-    """One `prog: error: message` line on stderr, exit code 2."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 @contextlib.contextmanager
@@ -54,7 +50,7 @@ def setup(argv, prog: str, rl: bool = True):
     quiet_optional_kernels()
     from mindspeed_proxy.faults.spec import parse_fault
     from mindspeed_proxy.rl import resume
-    from mindspeed_proxy.rl.arguments import parse
+    from mindspeed_proxy.rl.arguments import launch_world_size, parse
     from mindspeed_proxy.rl.tasks import build_task
     from mindspeed_proxy.training import arguments as A
     from mindspeed_proxy.training import checkpointing as C
@@ -63,7 +59,7 @@ def setup(argv, prog: str, rl: bool = True):
 
     monitor_config = None
     try:
-        args = parse(argv, prog, rl)
+        args = parse(argv, prog, rl, world=launch_world_size())
         faults = [parse_fault(t) for t in args.inject_fault]
         if args.enable_mechanism_monitor:
             from mindspeed_proxy.monitor.arguments import default_output_dir, monitor_config_from_args
@@ -103,7 +99,7 @@ def setup(argv, prog: str, rl: bool = True):
                 RUNTIME.monitor.weights_loaded()
         except ValueError as exc:
             if torch.distributed.get_rank() == 0:
-                print(f"{prog}: error: {exc}", file=sys.stderr)
+                error(prog, exc)
             raise SystemExit(2) from None
     return args, task, trainer, faults
 
@@ -295,7 +291,7 @@ def main(argv=None, prog: str = PROG) -> int:
         except NonFiniteStep as exc:
             metrics.close()
             if rank0:
-                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+                error(prog, exc)
             if monitor is not None:
                 monitor.close()
             W.close(writer)

@@ -8,6 +8,7 @@ each micro-batch contributes its Σ c·ℓ · DP · num_microbatches, which Mega
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -16,7 +17,7 @@ import torch
 
 from mindspeed_proxy.rl import aggregation, replay
 from mindspeed_proxy.rl.correction import Correction, rollout_correction
-from mindspeed_proxy.rl.losses import grpo_token_loss
+from mindspeed_proxy.rl.losses import KL_ESTIMATORS, grpo_token_loss
 from mindspeed_proxy.rl.sampler import model_logits, next_token_logprobs
 from mindspeed_proxy.training.engine import split_microbatches
 
@@ -45,6 +46,28 @@ class GRPOConfig:
     temperature: float = 1.0  # --rl-default-temperature
 
     def __post_init__(self):
+        least = {"group_size": 2, "prompts_per_step": 1, "iterations": 1}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"GRPOConfig.{name} must be an integer >= {low}, got {value!r}")
+        for name in ("clamp_eps_lower", "clamp_eps_upper", "kl_beta", "entropy_weight", "temperature"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)) or \
+                    (name != "entropy_weight" and value < 0):
+                raise ValueError(f"GRPOConfig.{name} must be a finite number"
+                                 f"{'' if name == 'entropy_weight' else ' >= 0'}, got {value!r}")
+        if self.clamp_eps_lower >= 1:
+            raise ValueError(f"GRPOConfig.clamp_eps_lower must be < 1 (1 - eps stays positive), "
+                             f"got {self.clamp_eps_lower}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"GRPOConfig.dual_clip must be > 1, got {self.dual_clip}")
+        for name, allowed in (("kl_estimator", KL_ESTIMATORS), ("routing_replay", replay.MODES),
+                              ("ratio_type", ("token", "sequence"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GRPOConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.correction, Correction):
+            raise ValueError(f"GRPOConfig.correction must be a Correction, got {type(self.correction).__name__}")
         aggregation.check(self.aggregation, self.ratio_type)
 
 

@@ -5,7 +5,7 @@ import os
 import shutil
 from typing import Callable
 
-from filelock import FileLock
+from mindspeed_proxy.locking import file_lock
 
 
 def shared_dir(tmp_path_factory, name: str) -> str:
@@ -25,7 +25,7 @@ def built_once(path: str, build: Callable[[], object]) -> str:
     leaves no marker, so the next caller removes what it wrote and builds again.
     """
     marker = path + ".built"  # beside, not inside: tests hash and list the folder
-    with FileLock(path + ".lock"):
+    with file_lock(path + ".lock"):
         if not os.path.exists(marker):
             shutil.rmtree(path, ignore_errors=True)  # a failed build's partial output must not be resumed
             build()

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import warnings
 from datetime import datetime
 
 import torch
 
+from mindspeed_proxy.cli import error
+from mindspeed_proxy.cli import fail as _fail
 from mindspeed_proxy.training import arguments as A
 
 
@@ -17,11 +18,6 @@ def _active_monitor():
     from mindspeed_proxy.patches.runtime import RUNTIME
 
     return RUNTIME.monitor
-
-
-def _fail(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def resolve_log_dir(args) -> str:
@@ -119,9 +115,8 @@ def _format_step(iteration: int, total: int, consumed: int, ms: float, result: d
 def stop_nonfinite(prog: str, step: int, args) -> None:
     """Stop the run with one line naming the step whose loss or gradient was not finite (exit code 1)."""
     if torch.distributed.get_rank() == 0:
-        print(f"{prog}: error: iteration {step}: NaN or inf in the loss or the gradients; the step was not applied "
-              "and the run stops (--no-check-for-nan-in-loss-and-grad skips and counts such steps)",
-              file=sys.stderr, flush=True)
+        error(prog, f"iteration {step}: NaN or inf in the loss or the gradients; the step was not applied "
+              "and the run stops (--no-check-for-nan-in-loss-and-grad skips and counts such steps)")
     finish_distributed(args)
     raise SystemExit(1)
 
@@ -191,7 +186,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
                           parts=None if args.finetune else parts)
         except ValueError as exc:  # every rank refuses alike; nothing has been written yet
             if rank0:
-                print(f"{prog}: error: {exc}", file=sys.stderr)
+                error(prog, exc)
             raise SystemExit(2) from None
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
