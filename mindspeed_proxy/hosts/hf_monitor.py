@@ -153,15 +153,7 @@ class HFMonitor(MechanismMonitor):
                         self._guarded("update-spectral", self._layer_update, layer, update_table)
                     if "attention-spectral" not in self.disabled and layer.attention is not None:
                         self._guarded("attention-spectral", self._layer_qk, layer, attn_table)
-        flat = torch.cat([update_table.view(-1), attn_table.view(-1)])
-        self._reduce_tables(flat)
-        update_table = flat[:update_table.numel()].view_as(update_table)
-        attn_table = flat[update_table.numel():].view_as(attn_table)
-        self._agree(None)
-        if "update-spectral" not in self.disabled:
-            self._guarded("update-spectral", self._publish_update, iteration, update_table)
-        if "attention-spectral" not in self.disabled:
-            self._guarded("attention-spectral", self._publish_attention, iteration, attn_table)
+        self._share_and_publish(iteration, update_table, attn_table, self._reduce_tables)
 
     def weights_loaded(self) -> None:
         """The weights were replaced (a checkpoint load): retake the snapshots, so no ΔW spans the load."""

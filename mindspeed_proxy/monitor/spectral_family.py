@@ -93,8 +93,12 @@ class SpectralFamilies:
             self._update_spectra(update_table)
         if "attention-spectral" not in self.disabled:
             self._attention_spectra(attn_table)
+        self._share_and_publish(iteration, update_table, attn_table, lambda flat: R.share_model_table(flat, g))
+
+    def _share_and_publish(self, iteration: int, update_table, attn_table, share) -> None:
+        """Both tables through one in-place collective `share(flat)`, failures agreed, then published."""
         flat = torch.cat([update_table.view(-1), attn_table.view(-1)])
-        R.share_model_table(flat, g)
+        share(flat)
         update_table = flat[:update_table.numel()].view_as(update_table)
         attn_table = flat[update_table.numel():].view_as(attn_table)
         self._agree(None)
