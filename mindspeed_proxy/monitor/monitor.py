@@ -123,12 +123,19 @@ class MechanismMonitor(SpectralFamilies):
     def after_optimizer_step(self, iteration: int) -> None:
         """Run what is due after a successful optimizer step `iteration` (1-based, Megatron's count)."""
         try:
+            if not self._any_due(iteration):  # most steps: skip even the thread-limit switch (~0.1 ms)
+                return
             with single_threaded():  # small calls at the trainer's thread count got slower (threads.py)
                 self._after_step(iteration)
         except Exception:  # last resort: a collective failed; stop everything rather than training
             self._fail("monitor")
             self.disabled.update(STATISTICS)
             self._report()
+
+    def _any_due(self, iteration: int) -> bool:
+        cfg = self.config
+        return ("router" not in self.disabled and iteration % cfg.router_interval == 0) or cfg.sample_step(iteration) \
+            or cfg.snapshot_step(iteration) or (cfg.expert_features_step(iteration) and self.wants_moe_input)
 
     def _after_step(self, iteration: int) -> None:
         cfg = self.config

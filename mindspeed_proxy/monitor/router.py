@@ -93,29 +93,29 @@ class RouterStats:
         flat = logits.reshape(-1, num_experts)
         row, vec, k = self._buffer[layer_index], self._scratch, self.topk
         width = min(k + 1, num_experts)
-        derive = topk_indices is None
-        head, target = (vec, row) if derive else (vec[:_LOAD], row[:_LOAD])
+        tokens, entropy, margin, load = vec[_TOKENS], vec[_ENTROPY], vec[_MARGIN], vec[_LOAD:]
         if width == k:
-            vec[_MARGIN] = 0.0
-        for start in range(0, flat.shape[0], self.chunk_size):  # a few fused kernels per chunk, no host sync
-            chunk = flat[start:start + self.chunk_size].float()
-            vec[_TOKENS] = chunk.shape[0]
-            # Σ −p log p with the experts along dim 0 (a softmax over a short last dim runs a slow per-token
-            # loop); clamping −inf keeps 0·log 0 = 0 while NaN still propagates
-            log_p = torch.log_softmax(chunk.T.contiguous(), dim=0).clamp_min_(torch.finfo(torch.float32).min)
-            torch.dot(log_p.exp().view(-1), log_p.view(-1), out=vec[_ENTROPY])
-            vec[_ENTROPY].neg_()
-            top = torch.topk(chunk, width, dim=-1)
-            if width > k:
-                torch.sum(top.values[:, k - 1] - top.values[:, k], dim=0, out=vec[_MARGIN])
-            if derive:
-                vec[_LOAD:] = torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts)
-            target.add_(head)
-        if not derive:
+            margin.zero_()
+        if topk_indices is not None:  # the load is added once, with the first chunk's sums
             if topk_indices.dtype == torch.bool:
-                row[_LOAD:] += topk_indices.reshape(-1, num_experts).sum(dim=0, dtype=torch.float32)
+                torch.sum(topk_indices.reshape(-1, num_experts), dim=0, dtype=torch.float32, out=load)
             else:
-                row[_LOAD:] += torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts)
+                load.copy_(torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts))
+        # few kernels per chunk and no host sync: this runs inside every router forward (benchmarks/)
+        for start in range(0, flat.shape[0], self.chunk_size):
+            chunk = flat[start:start + self.chunk_size].float()
+            tokens.fill_(chunk.shape[0])
+            # the experts along dim 0: a softmax over a short last dim runs a slow per-token loop;
+            # entr() gives 0·log 0 = 0 for −inf logits and keeps NaN
+            torch.sum(torch.special.entr(torch.softmax(chunk.T.contiguous(), dim=0)), dim=(0, 1), out=entropy)
+            top = torch.topk(chunk, width, dim=-1, sorted=True)
+            if width > k:
+                torch.sum(top.values[:, k - 1] - top.values[:, k], dim=0, out=margin)
+            if topk_indices is None:
+                load.copy_(torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts))
+            elif start:
+                load.zero_()
+            row.add_(vec)
 
     def reduce(self, groups: Iterable) -> None:
         """All-reduce (SUM) the accumulators over each process group in order; None entries are skipped."""

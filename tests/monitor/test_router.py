@@ -116,6 +116,13 @@ def test_router_stats_explicit_indices_and_routing_map():
     by_map = RouterStats(1, 8, 2)
     by_map.update(0, logits, routing_map)
     assert by_map.load()[0].tolist() == routing_map.sum(0).float().tolist()
+    for routing in (indices, routing_map):  # the load is counted once, however many chunks the tokens take
+        chunked, whole = RouterStats(1, 8, 2, chunk_size=7), RouterStats(1, 8, 2)
+        chunked.update(0, logits, routing)
+        whole.update(0, logits, routing)
+        expected = by_index.load()[0] if routing is indices else by_map.load()[0]
+        assert chunked.load()[0].tolist() == whole.load()[0].tolist() == expected.tolist()
+        assert torch.allclose(chunked.as_tensor(), whole.as_tensor(), rtol=1e-6, atol=0)
     with pytest.raises(IndexError):
         by_map.update(1, logits)
     with pytest.raises(ValueError):
