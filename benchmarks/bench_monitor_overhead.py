@@ -111,11 +111,7 @@ def main():
     from mindspeed_proxy import platform
 
     platform.activate("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from mindspeed_proxy.testing import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     from mindspeed_proxy.testing import init_parallel
     from mindspeed_proxy.tiny_moe import TinyMoEConfig
     from mindspeed_proxy.training.engine import TrainConfig, Trainer

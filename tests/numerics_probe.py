@@ -1,6 +1,6 @@
 """Forward/backward of a real megatron-core MoE layer, with or without the transfer-to-CPU layer.
 
-Run as `python numerics_probe.py {0|1} PORT`; prints one JSON line with the output and gradient
+Run as `python numerics_probe.py {0|1} NUM_EXPERTS`; prints one JSON line with the output and gradient
 checksums. Unpatched megatron-core cannot run its attention on a CPU-only torch (its global memory
 buffer asks for a CUDA device), so the probe covers what both can run: the MoE layer (router,
 allgather token dispatcher, SequentialMLP experts) and the dense MLP.
@@ -12,13 +12,12 @@ import sys
 import torch
 
 torch.set_num_threads(1)
-use_layer, port = sys.argv[1] == "1", sys.argv[2]
+use_layer = sys.argv[1] == "1"
 if use_layer:
     from mindspeed_proxy import platform
 
     platform.activate("cpu")
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 from megatron.core import parallel_state as ps  # noqa: E402
 
 ps.initialize_model_parallel(1, 1)
@@ -27,7 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # noq
 from mindspeed_proxy.tiny_moe import TinyMoEConfig, layer_spec, transformer_config  # noqa: E402
 
 torch.manual_seed(0)
-config = transformer_config(TinyMoEConfig(num_layers=1, num_experts=int(sys.argv[3])))
+config = transformer_config(TinyMoEConfig(num_layers=1, num_experts=int(sys.argv[2])))
 spec = layer_spec(config).layer_specs[0].submodules.mlp
 extra = {"layer_number": 1} if config.num_moe_experts else {}
 if isinstance(spec, ModuleSpec):

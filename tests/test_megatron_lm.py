@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -96,15 +95,9 @@ def env(mlm: Path, tmp_path_factory) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(mlm: Path, env: dict, cwd: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()),
+           "--standalone",
            "-m", "mindspeed_proxy.run", str(mlm / "pretrain_gpt.py"), *MODEL_FLAGS, *extra]
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_megatron_lm import MLM, MODEL_FLAGS, _free_port, _losses, env, mlm  # noqa: F401  (fixtures)
+from test_megatron_lm import MLM, MODEL_FLAGS, _losses, env, mlm  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(
     not MLM,
@@ -64,7 +64,7 @@ def model_flags(case: str) -> list:
 def pretrain(mlm: Path, env: dict, cwd: Path, nproc: int, argv: list) -> subprocess.CompletedProcess:
     """Megatron-LM's pretrain_gpt.py through the launcher on `nproc` gloo ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "mindspeed_proxy.run", str(mlm / "pretrain_gpt.py"), *argv]
+           "--standalone", "-m", "mindspeed_proxy.run", str(mlm / "pretrain_gpt.py"), *argv]
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
 
 

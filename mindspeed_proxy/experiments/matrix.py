@@ -115,11 +115,10 @@ def launch(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int
 
 
 def torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
-    """A torchrun command line on a free port, through our launcher (`-m mindspeed_proxy.run SCRIPT`)."""
-    from mindspeed_proxy.testing import free_port
-
+    """A torchrun command line (`--standalone`: its agent binds the store itself, on a port the OS picks),
+    through our launcher (`-m mindspeed_proxy.run SCRIPT`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()), "-m", "mindspeed_proxy.run", script, *args]
+            "--standalone", "-m", "mindspeed_proxy.run", script, *args]
 
 
 SETTINGS_FILE = "settings.sha256"

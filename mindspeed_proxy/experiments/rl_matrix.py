@@ -16,7 +16,6 @@ from pathlib import Path
 
 from mindspeed_proxy.determinism import PINNED_ENV
 from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch, run_in_slots
-from mindspeed_proxy.testing import free_port
 
 MODELS = ("original", "proxy")
 SELECTIONS = ("cluster", "random", "usage")  # convert_to_proxy.py --selection
@@ -49,11 +48,11 @@ def load_rl_config(path) -> dict:
 
 
 def command(ranks: int, module: str, args: list[str]) -> list[str]:
-    """`python -m module args` on 1 rank, under torchrun (free port) on more."""
+    """`python -m module args` on 1 rank, under torchrun `--standalone` on more."""
     if ranks == 1:
         return [sys.executable, "-m", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-            "--master-port", str(free_port()), "-m", module, *args]
+            "--standalone", "-m", module, *args]
 
 
 def command_hash(cmd: list[str]) -> str:

@@ -5,7 +5,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -16,13 +15,6 @@ from mindspeed_proxy.determinism import NUMERIC_ENV
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the child's traceback."""
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _PRELOAD = "mindspeed_proxy.testing.preload"
@@ -77,8 +69,11 @@ def _child(payload, rank, world_size, port, platform, caller, env, results, stre
     os.environ.clear()
     os.environ.update(caller["environ"])
     os.environ.update({k: str(v) for k, v in env.items()})
+    # the store is already listening in the caller (torchrun's agent-store mode): every rank, rank 0
+    # included, connects to it as a client, so no rank binds a port another test may have taken meanwhile
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         fn, args, kwargs = pickle.loads(payload)  # after sys.path: fn's module may lie on a path added late
         import torch
@@ -122,9 +117,16 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     the process group are destroyed after `fn`. Raises DistributedTestError with the first child
     traceback if any rank fails, dies or exceeds `timeout` seconds; every child is ended first.
     """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     ctx = _context(env or {})
     results = ctx.Queue()
-    port = free_port()
+    # bound here, port 0: the OS picks a free port and it stays ours until the ranks are done (a port chosen
+    # by probing and bound later by rank 0 can be taken in between by a rank of a test in another worker)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    port = store.port
     payload = pickle.dumps((fn, args, kwargs))
     caller = {"cwd": os.getcwd(), "path": list(sys.path), "environ": dict(os.environ)}
     procs = [
@@ -163,4 +165,5 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
                 proc.kill()
                 proc.join()
         results.close()
+        del store
     return [values[r] for r in range(world_size)]

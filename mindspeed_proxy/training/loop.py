@@ -72,11 +72,11 @@ def init_distributed(args) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or
                                   max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1")))))
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port_once()))
-        torch.distributed.init_process_group(
-            platform.distributed_backend(), rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # one process without a rendezvous address: an in-process store, no port to race other processes for
+        store = torch.distributed.HashStore() if world == 1 and "MASTER_PORT" not in os.environ else None
+        torch.distributed.init_process_group(platform.distributed_backend(), store=store,
+                                             rank=int(os.environ.get("RANK", "0")), world_size=world)
     A.validate_world(args, torch.distributed.get_world_size())
     init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   ep=args.expert_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
@@ -89,12 +89,6 @@ def finish_distributed(args) -> None:
     if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-
-def _free_port_once() -> int:
-    from mindspeed_proxy.testing.launcher import free_port
-
-    return free_port()
 
 
 def _print_rank0(message: str) -> None:

@@ -1,6 +1,5 @@
 """Sharded ΔW spectra and reduced router stats over 2 gloo ranks equal their single-process results."""
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -31,8 +30,8 @@ def fill_router_stats(stats, logits, indices, token_slice):
 
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, WORLD, False, timedelta(seconds=60))  # the caller's, already bound
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         group = dist.new_group(list(range(WORLD)))
         delta, logits, indices = make_inputs()
@@ -53,14 +52,9 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sharded_update_spectrum_and_router_reduction(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    mp.spawn(_worker, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     delta, logits, indices = make_inputs()
     full = update_singular_values(delta)  # unsharded: smaller (in = 9) side
