@@ -58,6 +58,32 @@ def monitor_config(config) -> MonitorConfig:
         raise ValueError(f"{where}: \"{BLOCK}\": {exc}") from None
 
 
+def skip_shm_comm_build() -> bool:
+    """Make DeepSpeed's CPU accelerator decline only its shared-memory comm op, so that
+    `deepspeed.init_distributed(dist_backend="gloo")` compiles nothing (collectives go through gloo).
+
+    Call before `init_distributed` in every process; True when installed, False when the accelerator in use
+    is not DeepSpeed's CPU one (a GPU or NPU keeps its own)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    current = get_accelerator()
+    if type(current) is not CPU_Accelerator:
+        return type(current).__name__ == "NoShmCPUAccelerator"
+
+    class NoShmCPUAccelerator(CPU_Accelerator):
+        """DeepSpeed's CPU accelerator without the ShareMemCommBuilder op (a JIT-compiled C++ extension)."""
+
+        def create_op_builder(self, op_name):
+            return None if op_name == "ShareMemCommBuilder" else super().create_op_builder(op_name)
+
+        def get_op_builder(self, class_name):
+            return None if class_name == "ShareMemCommBuilder" else super().get_op_builder(class_name)
+
+    set_accelerator(NoShmCPUAccelerator())
+    return True
+
+
 def zero3_gather(params):
     """Gather the ZeRO-3-partitioned ones among `params` for the block (every rank must enter); read-only."""
     partitioned = [p for p in params if hasattr(p, "ds_id")]
