@@ -79,7 +79,8 @@ def rank_job(stage: int, threads: int, layers: int, hidden: int, experts: int, s
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(threads)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True,
               "mechanism_monitor": {"interval": 1, "delta": 1, "router_interval": 1, "sinks": [],
                                     "families": ["attention-spectral", "update-spectral", "router"]}}

@@ -45,7 +45,8 @@ def monitor_block(run_dir: str) -> dict:
 def ds_config(run_dir: str) -> dict:
     """ZeRO-2, AdamW, clipping 1.0, plus the monitor block (DeepSpeed ignores the extra key)."""
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "gradient_clipping": 1.0,
             "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
             "mechanism_monitor": monitor_block(run_dir)}
 

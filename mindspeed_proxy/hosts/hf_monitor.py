@@ -130,7 +130,7 @@ class HFMonitor(MechanismMonitor):
         return hook
 
     def _mine(self, layer: hf_targets.Layer) -> list:
-        """The slots of `layer` this rank computes: all but experts if it owns the layer, plus its EP experts."""
+        """The slots of `layer` this rank computes: all if it owns the layer, else its DeepSpeed-MoE experts."""
         owns = self.owns(layer.index)
         return [s for s in layer.slots if s.expert_parallel or owns]
 

@@ -15,9 +15,10 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
 
 from mindspeed_proxy.testing import run_distributed  # noqa: E402
-from test_deepspeed_monitor import _close, global_batch, init_gloo, tiny_model  # noqa: E402  (tests/hosts is on sys.path)
+from test_deepspeed_monitor import (  # noqa: E402  (tests/hosts is on sys.path)
+    LR, MICRO, STEPS, _close, init_gloo, single_process, tiny_model, train_steps)
 
-STEPS, MICRO, LR, EP = 4, 2, 0.5, 2
+EP = 2
 MONITOR = {"interval": 2, "delta": 2, "router_interval": 2, "qk_terms": ["delta1"], "experts_per_layer": 8,
            "sinks": [], "families": ["attention-spectral", "update-spectral", "router"]}
 RTOL = 1e-5
@@ -106,16 +107,7 @@ def _train(monitored, wrong=None):
             import dataclasses
 
             monitor.groups = dataclasses.replace(monitor.groups, dp=edp)
-    losses = []
-    for step in range(STEPS):
-        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        if monitor is not None:
-            monitor.step()
-        losses.append(loss.item())
-    out = {"losses": losses}
+    out = {"losses": train_steps(engine, monitor, rank)}
     if monitor is not None:
         out.update(last=monitor.last, disabled=sorted(monitor.disabled), ep=monitor.groups.ep_size,
                    slots=sorted(s.name for layer in monitor.targets.layers for s in layer.slots
@@ -132,28 +124,6 @@ def runs():
             **{w: _train(True, w) for w in WRONG}}
 
 
-def single_process():
-    """The reference model and global batches in 1 process, torch SGD, no DeepSpeed, HFMonitor by hand."""
-    from mindspeed_proxy.hosts.hf_monitor import HFMonitor
-
-    model = reference_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    monitor = HFMonitor(MONITOR, model)
-    losses = []
-    for step in range(STEPS):
-        ids = global_batch(step)
-        loss = (model(input_ids=ids[:MICRO], labels=ids[:MICRO]).loss
-                + model(input_ids=ids[MICRO:], labels=ids[MICRO:]).loss) / 2
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        monitor.after_optimizer_step(step + 1)
-        losses.append(loss.item())
-    out = {"losses": losses, "last": monitor.last}
-    monitor.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def distributed():
     return run_distributed(runs, 2, timeout=600)
@@ -161,7 +131,7 @@ def distributed():
 
 @pytest.fixture(scope="module")
 def reference():
-    return single_process()
+    return single_process(reference_model(), MONITOR)  # the same steps, batches and SGD as here
 
 
 EP_ONLY = ("ep_load", "overload")  # the reference has no EP ranks: checked in test_expert_load_per_ep_rank

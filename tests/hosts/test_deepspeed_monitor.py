@@ -54,6 +54,20 @@ def ds_config(stage):
             "mechanism_monitor": dict(MONITOR)}
 
 
+def train_steps(engine, monitor, rank):
+    """STEPS steps of this rank's micro-batches of the global batches; the monitor (or None) after each."""
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if monitor is not None:
+            monitor.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train_ds(stage, monitored, fail_rank=None, layers=None):
     import deepspeed
     import torch.distributed as dist
@@ -71,16 +85,7 @@ def _train_ds(stage, monitored, fail_rank=None, layers=None):
         def broken(*args):
             raise RuntimeError("injected failure in the attention-spectral family")
         monitor._layer_qk = broken
-    losses = []
-    for step in range(STEPS):
-        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        if monitor is not None:
-            monitor.step()
-        losses.append(loss.item())
-    out = {"losses": losses}
+    out = {"losses": train_steps(engine, monitor, rank)}
     if monitor is not None:
         out.update(last=monitor.last, disabled=sorted(monitor.disabled), failures=sorted(monitor._failures))
         monitor.close()
@@ -110,13 +115,14 @@ def failing_rank():
     return _train_ds(2, True, fail_rank=1, layers=[1]), _train_ds(2, False)["losses"]
 
 
-def single_process():
-    """The same model and global batches, 1 process, torch AdamW, no DeepSpeed, the monitor stepped by hand."""
+def single_process(model=None, monitor_config=None):
+    """The same model (default tiny_model()) and global batches, 1 process, torch SGD, no DeepSpeed, the monitor
+    (default MONITOR) stepped by hand."""
     from mindspeed_proxy.hosts.hf_monitor import HFMonitor
 
-    model = tiny_model()
+    model = model if model is not None else tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    monitor = HFMonitor(MONITOR, model)
+    monitor = HFMonitor(monitor_config or MONITOR, model)
     losses = []
     for step in range(STEPS):
         ids = global_batch(step)
