@@ -236,6 +236,9 @@ def _add_deepspeed_moe(out: HFTargets, layer: Layer, moe, expert_ids, add) -> No
         raise ValueError(f"DeepSpeed-MoE layer {layer.index}: {moe.num_experts} experts, config says "
                          f"{out.num_experts}")
     group, ep_rank, ep_size = _ds_group(moe)
+    if out.ep_group is not None and out.ep_size != ep_size:
+        raise ValueError(f"DeepSpeed-MoE layer {layer.index}: ep_size {ep_size}, an earlier layer has "
+                         f"{out.ep_size} (one expert-parallel size per model is supported)")
     out.ep_group, out.ep_size = group, ep_size
     gate = moe.deepspeed_moe.gate
     layer.gate, layer.deepspeed_moe = gate, True
@@ -249,7 +252,7 @@ def _add_deepspeed_moe(out: HFTargets, layer: Layer, moe, expert_ids, add) -> No
             add(layer, f"expert{e}.fc1", fc1)
             add(layer, f"expert{e}.fc2", fc2)
             for slot in layer.slots[n:]:
-                slot.expert_parallel = True
+                slot.expert_parallel = ep_size > 1  # ep_size 1: whole experts, owned like the rest of the layer
 
 
 @torch.no_grad()

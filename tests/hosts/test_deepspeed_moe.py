@@ -2,7 +2,8 @@
 ranks: router entropy summed over the data-parallel group, expert load per EP rank, and the ΔW of the experts each
 rank holds summed over the expert-parallel group equal the values of the same model (transformers' own Qwen3-MoE
 block, the same weights) trained in 1 process without DeepSpeed; monitoring leaves the losses bit-identical; a
-reduction over the wrong group (the expert-data-parallel group) fails the comparison.
+reduction over the wrong group (the expert-data-parallel group) fails the comparison; layouts the monitor does
+not read are one-line errors.
 
 Tolerances (fp32; DeepSpeed's top-2 gate and dispatch sum in another order than transformers' block, so the
 trajectories differ by rounding): 1e-5 relative for every monitor value and the mean loss (measured max: loss
@@ -41,11 +42,12 @@ class SwiGLU(torch.nn.Module):
 class DeepSpeedMoEBlock(torch.nn.Module):
     """A decoder layer's `mlp`: a DeepSpeed-MoE layer (top-2, no token drop, no 2nd-expert sampling)."""
 
-    def __init__(self, hidden, ffn, experts, ep_size):
+    def __init__(self, hidden, ffn, experts, ep_size, expert=None):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.moe = MoE(hidden, SwiGLU(hidden, ffn), num_experts=experts, ep_size=ep_size, k=2, drop_tokens=False,
+        expert = expert if expert is not None else SwiGLU(hidden, ffn)
+        self.moe = MoE(hidden, expert, num_experts=experts, ep_size=ep_size, k=2, drop_tokens=False,
                        use_rts=False, top2_2nd_expert_sampling=False, min_capacity=0)
 
     def forward(self, hidden_states):
@@ -202,3 +204,23 @@ def test_wrong_reduction_fails_the_comparison(distributed, reference, wrong):
 def test_monitoring_leaves_losses_bit_identical(distributed):
     for rank, r in enumerate(distributed):
         assert r["monitored"]["losses"] == r["plain"], rank
+
+
+def test_unsupported_deepspeed_moe_layouts_are_one_line_errors():
+    """1 process, ep_size 1 (no process group needed): an expert that is not a gated MLP, and mixed EP sizes."""
+    from mindspeed_proxy.hosts.hf_monitor import HFMonitor
+
+    model = reference_model()
+    layers = model.model.layers
+    layers[0].mlp = DeepSpeedMoEBlock(32, 16, 8, 1, expert=torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"DeepSpeed-MoE expert Linear: expected gate_proj/up_proj/down_proj") as err:
+        HFMonitor(MONITOR, model)
+    assert "\n" not in str(err.value)
+    layers[0].mlp = DeepSpeedMoEBlock(32, 16, 8, 1)
+    layers[1].mlp = DeepSpeedMoEBlock(32, 16, 8, 1)
+    monitor = HFMonitor(MONITOR, model)  # ep_size 1: whole experts, owned with their layer (not EP-summed)
+    for layer in monitor.targets.layers:
+        experts = [s for s in layer.slots if s.name.startswith("expert")]
+        assert len(experts) == 16 and not any(s.expert_parallel for s in experts)
+    assert monitor.groups.ep_size == 1 and monitor.targets.ep_group is None
+    monitor.close()
