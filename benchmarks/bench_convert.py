@@ -149,7 +149,10 @@ def child_convert(argv: list) -> None:
     import mindspeed_proxy.proxy.convert  # noqa: F401
     from mindspeed_proxy.proxy import cli
 
-    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features", "mindspeed_proxy.proxy.hashing",
+    # megatron.core.safe_globals: every format's reads allow megatron's own safe globals (importing megatron.core
+    # pulls in torch.distributed.tensor, sympy, tensorboard: ~140 MiB, a fixed cost, not a per-tensor one)
+    modules = ["megatron.core.safe_globals", "mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features",
+               "mindspeed_proxy.proxy.hashing",
                "mindspeed_proxy.proxy.output_guard", "concurrent.futures.process", "multiprocessing"]
     if fmt == "torch_dist":
         modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.dist_io",
