@@ -149,11 +149,11 @@ def child_convert(argv: list) -> None:
     import mindspeed_proxy.proxy.convert  # noqa: F401
     from mindspeed_proxy.proxy import cli
 
-    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features", "mindspeed_proxy.proxy.hashing",
-               "mindspeed_proxy.proxy.output_guard", "concurrent.futures.process", "multiprocessing"]
+    modules = ["mindspeed_proxy.proxy.verify.legacy", "mindspeed_proxy.proxy.select.similarity", "mindspeed_proxy.proxy.io.hashing",
+               "mindspeed_proxy.proxy.io.output_guard", "concurrent.futures.process", "multiprocessing"]
     if fmt == "torch_dist":
-        modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.dist_io",
-                    "mindspeed_proxy.proxy.dist_chunks", "mindspeed_proxy.proxy.dist_writer"]
+        modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.io.dist.reader",
+                    "mindspeed_proxy.proxy.io.dist.chunks", "mindspeed_proxy.proxy.io.dist.writer"]
     for name in modules:
         try:
             importlib.import_module(name)

@@ -9,10 +9,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy import clustering, features, nonfinite, reconstruction
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
-from mindspeed_proxy.proxy.options import Options  # noqa: F401  (re-exported: plan.Options)
+from mindspeed_proxy.proxy.select import clustering
+from mindspeed_proxy.proxy.select import similarity as features
+from mindspeed_proxy.proxy.io import nonfinite
+from mindspeed_proxy.proxy.select import reconstruction
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout, check_k, check_target_ep, target_layout
+from mindspeed_proxy.proxy.core.options import Options  # noqa: F401  (re-exported: plan.Options)
 
 REWRITTEN_ARGS = ("num_experts", "expert_model_parallel_size", "world_size", "data_parallel_size")
 
@@ -186,7 +189,7 @@ def check_selection_options(options: Options, fmt: str) -> None:
 
 def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
     """Read the usage file / calibration data / features FILE named by `options`; fill plan.vectors."""
-    from mindspeed_proxy.proxy.manifest import sha256
+    from mindspeed_proxy.proxy.io.manifest import sha256
 
     inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None,
               "calibration_saliency": None}
@@ -198,7 +201,8 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         raise ConversionError("--calibration-data is only used with --features outputs, --representative saliency "
                               "or --selection reconstruction")
     if forward:
-        from mindspeed_proxy.proxy import calibration, outputs
+        from mindspeed_proxy.proxy.calibrate import tokens as calibration
+        from mindspeed_proxy.proxy.calibrate import forward as outputs
 
         if not options.calibration_data:
             raise ConversionError("--features outputs needs --calibration-data PATH (an indexed dataset prefix, "

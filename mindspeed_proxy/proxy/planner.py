@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, k_violations, target_layout, valid_k_values
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout, k_violations, target_layout, valid_k_values
 from mindspeed_proxy.proxy.model_spec import ModelSpec
 from mindspeed_proxy.proxy.plan import rules_from_args
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import clustering, features
+from mindspeed_proxy.proxy.select import clustering
+from mindspeed_proxy.proxy.select import similarity as features
 from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.proxy.plan import Options, make_plan
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_proxy.proxy import features
-from mindspeed_proxy.proxy.dist_chunks import layer_row_groups
+from mindspeed_proxy.proxy.select import similarity as features
+from mindspeed_proxy.proxy.io.dist.chunks import layer_row_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def test_layer_row_groups_refuse_a_non_grid_chunking():
 def test_dist_weight_features_streamed_equal_float64_reference(dist_checkpoints, monkeypatch):
     from test_proxy_dist import ITER, read_all
 
-    from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+    from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 
     src = dist_checkpoints("ep2_bias")
     full = read_all(os.path.join(src, ITER))
@@ -171,8 +171,9 @@ open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write("1")
 del model
 dist.destroy_process_group()
 import gc; gc.collect()
-from mindspeed_proxy.proxy import features, pages
-from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+from mindspeed_proxy.proxy.select import similarity as features
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 import numpy, torch.distributed.checkpoint
 ckpt = DistCheckpoint(root)
 pages.register(*ckpt.file_paths())
@@ -211,7 +212,7 @@ def test_dist_feature_pass_holds_under_two_tensors(tmp_path):
 def test_gram_of_memory_mapped_rows_reads_the_file(tmp_path, dtype):
     """Rows memory-mapped from a registered file are pread from their place in the file (float32 straight
     into the buffer, bfloat16 through a staging row): same Gram as the float64 reference."""
-    from mindspeed_proxy.proxy import pages
+    from mindspeed_proxy.proxy.io import pages
 
     gen = torch.Generator().manual_seed(3)
     experts = {f"e{i}": (torch.randn(96, 50, generator=gen) + i).to(dtype) for i in range(5)}

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import clustering, features, outputs
+from mindspeed_proxy.proxy.select import clustering
+from mindspeed_proxy.proxy.select import similarity as features
+from mindspeed_proxy.proxy.calibrate import forward as outputs
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.testing import run_distributed
@@ -182,7 +184,7 @@ def _numpy_layer(outputs_, logits, bias, subset, topk, sigmoid):
 
 @pytest.mark.parametrize("sigmoid", [False, True])
 def test_reconstruction_selection_equals_numpy_search(monkeypatch, sigmoid):
-    from mindspeed_proxy.proxy import reconstruction
+    from mindspeed_proxy.proxy.select import reconstruction
 
     rng = np.random.default_rng(5 + sigmoid)
     t, e, h = 40, 6, 5

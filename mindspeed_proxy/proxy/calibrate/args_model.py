@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 # the parallel layout of one process, and the eager (unfused) paths of a CPU / any-device forward
 _WORLD_1 = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,

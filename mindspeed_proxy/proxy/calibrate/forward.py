@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 BATCH_SEQUENCES = 8
 CHUNK_ELEMENTS = 1 << 24  # tokens x experts x hidden per expert call (64 MiB in fp32)
@@ -47,7 +47,7 @@ def model_config_from_args(args):
     """The original model's config at EP = 1, from the checkpoint's args: megatron-core's TransformerConfig
     for Megatron-LM's args (args_model), else the trainer's TinyMoEConfig; ConversionError if unsupported.
     Either has vocab_size and hidden_size."""
-    from mindspeed_proxy.proxy import args_model
+    from mindspeed_proxy.proxy.calibrate import args_model
     from mindspeed_proxy.training.arguments import model_config
 
     if args_model.from_megatron_lm(args):
@@ -119,7 +119,7 @@ def _check_fits(num_bytes: int) -> None:
 
 
 def _dist_bytes(ckpt) -> int:
-    from mindspeed_proxy.proxy.dist_io import is_model_key
+    from mindspeed_proxy.proxy.io.dist.reader import is_model_key
 
     return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
                for key, (shape, dtype) in ckpt.index.tensors.items() if is_model_key(key))
@@ -138,7 +138,7 @@ def _load(model, ckpt) -> None:
             state = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder)
         state = state["model"]
     else:
-        from mindspeed_proxy.proxy import args_model
+        from mindspeed_proxy.proxy.calibrate import args_model
 
         state = legacy_state(ckpt)
         if args_model.from_megatron_lm(ckpt.args):
@@ -263,8 +263,8 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
     from megatron.core import parallel_state as ps
 
     from mindspeed_proxy import platform
-    from mindspeed_proxy.proxy.dist_io import close_group, ensure_group
-    from mindspeed_proxy.proxy import args_model
+    from mindspeed_proxy.proxy.io.dist.reader import close_group, ensure_group
+    from mindspeed_proxy.proxy.calibrate import args_model
     from mindspeed_proxy.tiny_moe import build_model
 
     created = not dist.is_initialized()
@@ -293,7 +293,7 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
         finally:
             collector.remove()
         if sequential is not None:
-            from mindspeed_proxy.proxy.reconstruction import sequential_pass
+            from mindspeed_proxy.proxy.select.reconstruction import sequential_pass
 
             sequential["kept"] = sequential_pass(model, gpt, tokens, sequential["choose"], device)
     finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 DEFAULT_SEQUENCES = 64
 
@@ -91,7 +91,7 @@ def _from_file(path: str) -> np.ndarray:
 def read_calibration(path: str, seq_length: int, vocab_size: int,
                      max_sequences: int = DEFAULT_SEQUENCES) -> Calibration:
     """Token ids [N, S] from `path` (format from the name; see the module docstring), checked."""
-    from mindspeed_proxy.proxy.manifest import sha256
+    from mindspeed_proxy.proxy.io.manifest import sha256
 
     if max_sequences < 1:
         raise ConversionError(f"--calibration-sequences {max_sequences}: must be at least 1")

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 try:
     import xxhash as _xxhash

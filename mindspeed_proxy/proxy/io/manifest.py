@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from mindspeed_proxy.proxy import hashing
+from mindspeed_proxy.proxy.io import hashing
 
 MANIFEST = "proxy_manifest.json"
 

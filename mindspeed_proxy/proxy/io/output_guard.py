@@ -14,7 +14,7 @@ import os
 import shutil
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 MARGIN = 1.02  # free space asked for: the plan's output bytes x this (headers, pickles, metadata files)
 _FULL = (errno.ENOSPC, errno.EDQUOT)

@@ -110,7 +110,7 @@ def pread_into(fd: int, target, offset: int, path: str) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
-            from mindspeed_proxy.proxy.errors import ConversionError
+            from mindspeed_proxy.proxy.core.errors import ConversionError
 
             raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
         done += got

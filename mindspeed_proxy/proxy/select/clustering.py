@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
 def angular_distance(similarity: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 TOKENS = 2048            # calibration tokens per layer kept for the search
 EXHAUSTIVE = 5000        # at most this many K-subsets: try them all
@@ -40,7 +40,7 @@ def sequential_pass(model, gpt, tokens: torch.Tensor, choose, device) -> dict:
     """{global layer: choose(layer, sample)}: one forward of the first TOKENS calibration tokens in which each
     MoE layer, in order, chooses its kept experts on the inputs the already-pruned layers produce, then routes
     over the kept experts only (as the proxy will)."""
-    from mindspeed_proxy.proxy.outputs import all_expert_outputs
+    from mindspeed_proxy.proxy.calibrate.forward import all_expert_outputs
 
     batch = tokens[:max(1, -(-TOKENS // tokens.shape[1]))].to(device)
     chosen, handles = {}, []
@@ -132,7 +132,7 @@ def select(sample: dict, k: int, routing: dict, num_groups=None) -> tuple:
 def selection_result(similarity: np.ndarray, chosen: tuple) -> dict:
     """cluster_layer-shaped result for `chosen` = select()'s (kept, info): others labelled by their nearest kept
     expert, plus the search record."""
-    from mindspeed_proxy.proxy.clustering import _assign_to_kept
+    from mindspeed_proxy.proxy.select.clustering import _assign_to_kept
 
     kept, info = chosen
     result = _assign_to_kept(similarity, kept, 1)

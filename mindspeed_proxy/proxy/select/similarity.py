@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy import pages
+from mindspeed_proxy.proxy.io import pages
 
 BLOCK_BYTES = 4 << 20  # the staging buffer (E x columns); source pages are dropped once copied into it
 PRODUCT_COLUMNS = 8192  # float32 products run over at most this many columns before float64 accumulation
@@ -122,7 +122,7 @@ def similarity_from_vectors(vectors: np.ndarray) -> np.ndarray:
 
 
 def _load_features(path: str) -> dict:
-    from mindspeed_proxy.proxy.errors import ConversionError
+    from mindspeed_proxy.proxy.core.errors import ConversionError
 
     if not path.endswith((".npz", ".pt")):
         raise ConversionError(f"--features {path}: not 'weights' or 'outputs', and not a .npz / .pt features file")
@@ -144,7 +144,7 @@ def _load_features(path: str) -> dict:
 
 def read_features_file(path: str, layers: list, num_experts: int) -> dict:
     """{global layer: [E, D] float64} from a features FILE (.npz or .pt mapping "<global layer>" -> [E, D])."""
-    from mindspeed_proxy.proxy.errors import ConversionError
+    from mindspeed_proxy.proxy.core.errors import ConversionError
 
     raw = _load_features(path)
     wanted = {str(layer.global_layer) for layer in layers}

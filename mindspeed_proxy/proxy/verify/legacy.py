@@ -6,9 +6,10 @@ import os
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import merge, pages
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.legacy_io import FILE, KEPT_FIELDS, iteration_dir_name, rank_dir_name
+from mindspeed_proxy.proxy.select import merge
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.io.legacy.checkpoint import FILE, KEPT_FIELDS, iteration_dir_name, rank_dir_name
 from mindspeed_proxy.proxy.plan import kept_fields
 
 
@@ -68,7 +69,7 @@ class StreamCompare:
 def _tensor_digest(t, block: int = 4 << 20) -> str:
     """Digest of a tensor's bytes: pread from its file in blocks when it is memory-mapped from a registered
     file (the mapping never touched), else from memory."""
-    from mindspeed_proxy.proxy import hashing
+    from mindspeed_proxy.proxy.io import hashing
 
     where = pages.file_ranges([t])[0] if t.is_contiguous() else None
     if where is None:
@@ -182,8 +183,8 @@ def verify_dist(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict
     """Check a torch_dist proxy through its own metadata: key set, global shapes, kept expert slabs and
     router rows bit-exact, every other tensor and object identical, common args rewritten, tracker. With
     `stream` (the written records' digests) stored chunks are compared by digest, not re-read."""
-    from mindspeed_proxy.proxy import dist_io as D
-    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+    from mindspeed_proxy.proxy.io.dist import reader as D
+    from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader
 
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     tracker = open(os.path.join(out_root, "latest_checkpointed_iteration.txt"), encoding="utf-8").read().strip()
@@ -226,7 +227,7 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
     """Every stored chunk of proxy tensor `key` against the source region it must hold, one chunk at a
     time: unsliced chunks against the same region of the source, sliced ones expert by expert against
     the source expert the plan kept at that position; the chunks must cover the proxy tensor."""
-    from mindspeed_proxy.proxy import dist_io as D
+    from mindspeed_proxy.proxy.io.dist import reader as D
 
     same = same or equal_in_blocks
     stored, total = got_reader.chunks(key), 0
@@ -303,7 +304,7 @@ def _equal_in_files(sources, nbytes: int, block: int) -> bool:
 
 
 def _verify_common(ckpt, plan, folder, common) -> None:
-    from mindspeed_proxy.proxy.dist_io import KEPT_COMMON
+    from mindspeed_proxy.proxy.io.dist.reader import KEPT_COMMON
 
     tgt, source = plan.target, ckpt.index.common
     wanted = {k for k in kept_fields(KEPT_COMMON, plan.options) if k in source}

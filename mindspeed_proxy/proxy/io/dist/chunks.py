@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy import pages
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
 class _Slice(io.RawIOBase):
@@ -283,7 +283,7 @@ def expected(reader: ChunkReader, chunk: OutChunk) -> torch.Tensor:
 
 def proxy_chunks(ckpt, plan, reader: ChunkReader, keys) -> list:
     """The proxy's chunks of tensors `keys`: the source chunking, expert axes cut to the kept experts."""
-    from mindspeed_proxy.proxy import dist_io as D
+    from mindspeed_proxy.proxy.io.dist import reader as D
 
     K, out = plan.target.num_experts, []
     for key in keys:

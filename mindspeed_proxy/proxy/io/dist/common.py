@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load, safe_torch_load_bytes
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 COMMON_FILE = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"  # ShardedObject("common_state", None, (1,), (0,)).unique_key

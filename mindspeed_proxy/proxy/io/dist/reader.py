@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy.dist_common import is_common_record, read_common
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import layout_from_args
-from mindspeed_proxy.proxy.legacy_io import TRACKER, MoELayer, iteration_dir_name, resolve_iteration
+from mindspeed_proxy.proxy.io.dist.common import is_common_record, read_common
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import layout_from_args
+from mindspeed_proxy.proxy.io.legacy.checkpoint import TRACKER, MoELayer, iteration_dir_name, resolve_iteration
 
 KEPT_COMMON = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
                "num_floating_point_operations_so_far", "content_metadata")
@@ -279,7 +279,7 @@ class DistCheckpoint:
     def chunk_reader(self):
         """A ChunkReader over this iteration's folder (created once)."""
         if self._reader is None:
-            from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+            from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader
 
             self._reader = ChunkReader(self.folder)
         return self._reader
@@ -288,7 +288,7 @@ class DistCheckpoint:
         """Lists of E tensors (one per expert) whose Grams sum to `layer`'s expert-weight Gram, one list per
         stored chunk region, memory-mapped one region at a time; a key whose chunks do not tile the
         experts as a grid is read as a layer slab instead."""
-        from mindspeed_proxy.proxy.dist_chunks import layer_row_groups
+        from mindspeed_proxy.proxy.io.dist.chunks import layer_row_groups
 
         E = self.layout.num_experts
         for key in self.sliced[layer.global_layer]:
@@ -367,7 +367,7 @@ def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=Non
     filled with the written records' digests (dist_writer.save_streaming)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from mindspeed_proxy.proxy.dist_writer import save_streaming
+    from mindspeed_proxy.proxy.io.dist.writer import save_streaming
 
     ensure_group()
     index, model = ckpt.index, {}

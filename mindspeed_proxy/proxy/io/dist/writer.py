@@ -19,10 +19,10 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy import pages
-from mindspeed_proxy.proxy.dist_chunks import ChunkReader, expected, proxy_chunks
-from mindspeed_proxy.proxy.dist_common import COMMON_FILE
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, expected, proxy_chunks
+from mindspeed_proxy.proxy.io.dist.common import COMMON_FILE
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
 def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: int = 1, digests=None):
@@ -85,7 +85,7 @@ class _Recording:
         """Write `data`, hashing it when large."""
         view = memoryview(data)
         if view.nbytes >= self.MIN_RECORD and view.c_contiguous:
-            from mindspeed_proxy.proxy import hashing
+            from mindspeed_proxy.proxy.io import hashing
 
             offset, view = self.stream.tell(), view.cast("B")
             h = hashing.new()
@@ -189,7 +189,7 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
     except ConversionError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        from mindspeed_proxy.proxy.output_guard import disk_full
+        from mindspeed_proxy.proxy.io.output_guard import disk_full
 
         if disk_full(exc):
             raise  # convert() maps it to one line naming the device and the free space

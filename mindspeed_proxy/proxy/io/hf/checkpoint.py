@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy import hf_layout as H
-from mindspeed_proxy.proxy import pages
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout
-from mindspeed_proxy.proxy.legacy_io import MoELayer
+from mindspeed_proxy.proxy.io.hf import layout as H
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout
+from mindspeed_proxy.proxy.io.legacy.checkpoint import MoELayer
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")

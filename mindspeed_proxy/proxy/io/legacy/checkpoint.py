@@ -13,10 +13,11 @@ from typing import Optional
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import experts as X
-from mindspeed_proxy.proxy import hashing, pages
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, layout_from_args
+from mindspeed_proxy.proxy.io.legacy import experts as X
+from mindspeed_proxy.proxy.io import hashing
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout, layout_from_args
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -228,7 +229,7 @@ def build_rank_state(ckpt: LegacyCheckpoint, plan, target: Layout, new_args, tp:
     router rows and experts of the kept ids, optimizer / RNG / rerun state left out. Tensors built
     here (router rows, regrouped experts) go through `spill` (e.g. to a file-backed copy) if given."""
     source = ckpt.state(tp, pp, 0)
-    from mindspeed_proxy.proxy import merge
+    from mindspeed_proxy.proxy.select import merge
     from mindspeed_proxy.proxy.plan import kept_fields
 
     out = {k: source[k] for k in kept_fields(KEPT_FIELDS, plan.options) if k in source}

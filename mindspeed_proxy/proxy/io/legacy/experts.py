@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 _SEQUENTIAL = re.compile(r"local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED = re.compile(r"(linear_fc[12])\.(weight|bias)(\d+)$")
