@@ -87,7 +87,7 @@ class ExpertFeatureCollector:
 
     def write(self, output_dir: str, reduced: dict) -> dict:
         """Write the two files (call on one rank); return the record for monitor.jsonl."""
-        from mindspeed_proxy.proxy.select.similarity import write_features_file
+        from mindspeed_proxy.proxy.io.features_file import write_features_file
 
         os.makedirs(output_dir, exist_ok=True)
         features = os.path.join(output_dir, FEATURES_FILE)

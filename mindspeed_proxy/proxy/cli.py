@@ -142,7 +142,7 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
                        overwrite=args.overwrite, fmt=args.format,
                        workers=args.workers if args.workers is not None else default_workers())
         if args.save_features:
-            from mindspeed_proxy.proxy.select.similarity import write_features_file
+            from mindspeed_proxy.proxy.io.features_file import write_features_file
 
             write_features_file(args.save_features, plan.vectors)
             print(f"features written to {args.save_features}")

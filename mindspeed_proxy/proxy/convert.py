@@ -7,13 +7,14 @@ import sys
 import tempfile
 from typing import Callable, Optional
 
-from mindspeed_proxy.proxy.io import hashing
-from mindspeed_proxy.proxy.io import output_guard
-from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
-from mindspeed_proxy.proxy.io.legacy.checkpoint import LegacyCheckpoint, resolve_iteration, write_legacy
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.core.tracker import resolve_iteration
+from mindspeed_proxy.proxy.io import hashing, output_guard, pages
+from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
+from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
 from mindspeed_proxy.proxy.io.manifest import build_manifest, write_manifest
-from mindspeed_proxy.proxy.plan import Options, describe, launch_flags, make_plan
+from mindspeed_proxy.proxy.plan import describe, launch_flags, make_plan
 from mindspeed_proxy.proxy.verify.legacy import verify_legacy
 
 
@@ -158,17 +159,16 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             pages.trim_heap()
             verification = verify_hf(ckpt, plan, tmp)
         elif ckpt.format == "torch_dist":
-            from mindspeed_proxy.proxy.io.dist.reader import write_dist
-            from mindspeed_proxy.proxy.verify.legacy import verify_dist
-
-            from mindspeed_proxy.proxy.verify.legacy import StreamCompare
+            from mindspeed_proxy.proxy.io.dist.writer import write_dist
+            from mindspeed_proxy.proxy.verify.common import StreamCompare
+            from mindspeed_proxy.proxy.verify.dist import verify_dist
 
             written: dict = {}
             write_dist(ckpt, plan, plan.new_args, tmp, workers=workers, digests=written)
             pages.trim_heap()
             verification = verify_dist(ckpt, plan, tmp, StreamCompare(written, hasher))
         else:
-            from mindspeed_proxy.proxy.verify.legacy import StreamCompare
+            from mindspeed_proxy.proxy.verify.common import StreamCompare
 
             written = write_legacy(ckpt, plan, plan.target, plan.new_args, tmp, workers=workers)
             pages.trim_heap()

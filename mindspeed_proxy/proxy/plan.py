@@ -1,63 +1,23 @@
 """The conversion plan: target layout, K checked against the layout rules, kept experts per layer."""
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy.select import clustering
-from mindspeed_proxy.proxy.select import similarity as features
-from mindspeed_proxy.proxy.io import nonfinite
-from mindspeed_proxy.proxy.select import reconstruction
+from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, output_features
+from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
 from mindspeed_proxy.proxy.core.errors import ConversionError
-from mindspeed_proxy.proxy.core.layout import Layout, check_k, check_target_ep, target_layout
+from mindspeed_proxy.proxy.core.layout import check_k, check_target_ep, target_layout
 from mindspeed_proxy.proxy.core.options import Options  # noqa: F401  (re-exported: plan.Options)
-
-REWRITTEN_ARGS = ("num_experts", "expert_model_parallel_size", "world_size", "data_parallel_size")
-
-
-@dataclass
-class Plan:
-    """Everything the writer and the verifier need, and what the dry run prints."""
-
-    source: Layout
-    target: Layout
-    options: Options
-    kept: dict = field(default_factory=dict)      # MoELayer -> kept source global ids, ascending
-    details: dict = field(default_factory=dict)   # MoELayer -> cluster_layer() result
-    non_finite: dict = field(default_factory=dict)  # MoELayer -> {global id: [tensors holding NaN/Inf]}
-    new_args: Optional[argparse.Namespace] = None
-    args_diff: dict = field(default_factory=dict)
-    bytes_to_write: int = 0
-    inputs: dict = field(default_factory=dict)    # fingerprints of the data that chose the experts
-    vectors: dict = field(default_factory=dict)   # global layer -> [E, D] features (outputs / FILE)
-    fmt: str = "torch"                            # the source's format: torch, torch_dist or hf
-
-
-def rules_from_args(args, layout: Layout, ep2: int) -> dict:
-    """Keyword arguments of layout.check_k for this checkpoint and EP2."""
-    return dict(ep2=ep2, tp=layout.tp, topk=int(getattr(args, "moe_router_topk", 2) or 1),
-                num_experts=layout.num_experts, tp_extend_ep=layout.tp_extend_ep,
-                num_groups=getattr(args, "moe_router_num_groups", None),
-                group_topk=getattr(args, "moe_router_group_topk", None),
-                min_per_group=getattr(args, "moe_router_min_experts_per_group", None))
-
-
-def rewrite_args(args, target: Layout) -> tuple:
-    """A copy of `args` with Megatron's expert/world fields for `target`, and the {field: [old, new]} diff."""
-    new = argparse.Namespace(**vars(args))
-    values = {"num_experts": target.num_experts, "expert_model_parallel_size": target.ep,
-              "world_size": target.world_size, "data_parallel_size": target.dp}
-    diff = {}
-    for name, value in values.items():
-        if getattr(args, name, None) != value:
-            diff[name] = [getattr(args, name, None), value]
-        setattr(new, name, value)
-    return new, diff
+from mindspeed_proxy.proxy.core.plan_types import Plan, rewrite_args, rules_from_args
+from mindspeed_proxy.proxy.io import nonfinite
+from mindspeed_proxy.proxy.io.features_file import read_features_file
+from mindspeed_proxy.proxy.io.grams import weight_grams
+from mindspeed_proxy.proxy.io.manifest import sha256
+from mindspeed_proxy.proxy.select import clustering, reconstruction, similarity
 
 
 def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Plan:
@@ -91,14 +51,14 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
         if plan.vectors:
-            sim = features.similarity_from_vectors(plan.vectors[layer.global_layer])
+            sim = similarity.similarity_from_vectors(plan.vectors[layer.global_layer])
         else:
-            grams = features.weight_grams(ckpt, layer)
+            grams = weight_grams(ckpt, layer)
             found = nonfinite.confirm(ckpt, layer, nonfinite.suspects_from_grams(grams))
             if found:
                 plan.non_finite[layer] = found
                 grams = nonfinite.masked_grams(grams, found)
-            sim = features.similarity_from_parts(grams)
+            sim = similarity.similarity_from_parts(grams)
         if plan.non_finite and options.non_finite_experts == "refuse":
             ckpt.release()
             continue  # every layer is scanned, so that the refusal names all of them
@@ -189,8 +149,6 @@ def check_selection_options(options: Options, fmt: str) -> None:
 
 def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
     """Read the usage file / calibration data / features FILE named by `options`; fill plan.vectors."""
-    from mindspeed_proxy.proxy.io.manifest import sha256
-
     inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None,
               "calibration_saliency": None}
     if options.usage_file:
@@ -201,16 +159,13 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         raise ConversionError("--calibration-data is only used with --features outputs, --representative saliency "
                               "or --selection reconstruction")
     if forward:
-        from mindspeed_proxy.proxy.calibrate import tokens as calibration
-        from mindspeed_proxy.proxy.calibrate import forward as outputs
-
         if not options.calibration_data:
             raise ConversionError("--features outputs needs --calibration-data PATH (an indexed dataset prefix, "
                                   "or a .npy / .pt file of token ids [N, S])")
         args = ckpt.args
-        cfg = outputs.model_config_from_args(args)  # refuse an unsupported model before reading any data
-        calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
-                                             options.calibration_sequences)
+        cfg = model_config_from_args(args)  # refuse an unsupported model before reading any data
+        calib = read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
+                                 options.calibration_sequences)
         saliency, sample, sequential = {}, None, None
         if options.selection == "reconstruction":
             reconstruction.check_size(len(ckpt.layers), ckpt.layout.num_experts, cfg.hidden_size)
@@ -219,8 +174,8 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
                 sequential = {"choose": lambda g, s: reconstruction.select(s, options.target_k, routing, groups)}
             else:
                 sample = {}
-        vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency, sample,
-                                                                          reconstruction.TOKENS, sequential)
+        vectors, inputs["calibration_usage"], _ = output_features(ckpt, calib.tokens, saliency, sample,
+                                                                  reconstruction.TOKENS, sequential)
         if sample is not None:
             inputs["chosen"] = {g: reconstruction.select(s, options.target_k, routing, groups)
                                 for g, s in sample.items()}
@@ -231,13 +186,13 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         if options.feature_type == "outputs":
             plan.vectors = vectors
     if options.feature_type == "file":
-        plan.vectors = features.read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
+        plan.vectors = read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
         inputs["features_file"] = {"path": os.path.abspath(options.features), "sha256": sha256(options.features)}
     return inputs
 
 
 def read_usage(path: str, layers, num_experts: int) -> dict:
-    """{MoELayer: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
+    """{LayerRef: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
     import json
 
     try:
@@ -317,12 +272,6 @@ def describe(plan: Plan) -> str:
     if not hf:
         lines.append(start_note(plan))
     return "\n".join(lines)
-
-
-def kept_fields(fields, options: Options) -> tuple:
-    """The top-level checkpoint fields the proxy keeps: `fields` less `opt_param_scheduler` unless
-    --keep-optimizer-args (optimizer, RNG and rerun state are never in `fields`)."""
-    return tuple(f for f in fields if options.keep_optimizer_args or f != "opt_param_scheduler")
 
 
 def start_note(plan: Plan) -> str:

@@ -7,8 +7,7 @@ import shlex
 from typing import Optional
 
 from mindspeed_proxy.cli import error
-from mindspeed_proxy.proxy import model_spec
-from mindspeed_proxy.proxy import planner
+from mindspeed_proxy.proxy import model_spec, planner
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.layout import check_k
 

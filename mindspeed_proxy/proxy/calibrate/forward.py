@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.select.reconstruction import TOKENS, routing_config
 
 BATCH_SEQUENCES = 8
 CHUNK_ELEMENTS = 1 << 24  # tokens x experts x hidden per expert call (64 MiB in fp32)
@@ -119,7 +120,7 @@ def _check_fits(num_bytes: int) -> None:
 
 
 def _dist_bytes(ckpt) -> int:
-    from mindspeed_proxy.proxy.io.dist.reader import is_model_key
+    from mindspeed_proxy.proxy.core.keys import is_model_key
 
     return sum(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
                for key, (shape, dtype) in ckpt.index.tensors.items() if is_model_key(key))
@@ -263,8 +264,8 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
     from megatron.core import parallel_state as ps
 
     from mindspeed_proxy import platform
-    from mindspeed_proxy.proxy.io.dist.reader import close_group, ensure_group
     from mindspeed_proxy.proxy.calibrate import args_model
+    from mindspeed_proxy.proxy.io.dist.group import close_group, ensure_group
     from mindspeed_proxy.tiny_moe import build_model
 
     created = not dist.is_initialized()
@@ -293,8 +294,6 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
         finally:
             collector.remove()
         if sequential is not None:
-            from mindspeed_proxy.proxy.select.reconstruction import sequential_pass
-
             sequential["kept"] = sequential_pass(model, gpt, tokens, sequential["choose"], device)
     finally:
         ps.destroy_model_parallel()
@@ -312,3 +311,52 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
         raise ConversionError(f"--features outputs: MoE layer {missing[0]} of the checkpoint is not an MoE layer "
                               "of the model built from its args")
     return vectors, usage, collector.tokens
+
+
+def sequential_pass(model, gpt, tokens: torch.Tensor, choose, device) -> dict:
+    """{global layer: choose(layer, sample)}: one forward of the first TOKENS calibration tokens in which each
+    MoE layer, in order, chooses its kept experts on the inputs the already-pruned layers produce, then routes
+    over the kept experts only (as the proxy will)."""
+    batch = tokens[:max(1, -(-TOKENS // tokens.shape[1]))].to(device)
+    chosen, handles = {}, []
+
+    def pre(g):
+        def hook(module, inputs):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            num_experts = module.router.weight.shape[0]
+            sample = {"outputs": all_expert_outputs(module.experts, x, num_experts),
+                      "logits": module.router.gating(x).reshape(x.shape[0], -1).float().cpu()}
+            bias = getattr(module.router, "expert_bias", None)
+            if bias is not None and module.config.moe_router_enable_expert_bias:
+                sample["bias"] = bias.detach().float().cpu()
+            chosen[g] = choose(g, sample)
+        return hook
+
+    def restrict(g):
+        def hook(module, inputs, output):
+            from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+            routing = routing_config(module.config)
+            logits = module.gating(inputs[0]).reshape(-1, module.weight.shape[0])
+            ids = torch.tensor(chosen[g][0], dtype=torch.long, device=logits.device)
+            bias = getattr(module, "expert_bias", None)
+            use_bias = bias is not None and module.config.moe_router_enable_expert_bias
+            sub_probs, sub_map = topk_routing_with_score_function(
+                logits[:, ids], routing["topk"], use_pre_softmax=routing["use_pre_softmax"],
+                scaling_factor=routing["scaling_factor"], score_function=routing["score_function"],
+                expert_bias=bias[ids] if use_bias else None)
+            probs = torch.zeros_like(logits).index_copy(1, ids, sub_probs.to(logits.dtype))
+            routing_map = torch.zeros_like(logits, dtype=torch.bool).index_copy(1, ids, sub_map)
+            return probs.reshape(output[0].shape), routing_map.reshape(output[1].shape)
+        return hook
+    for tl in gpt.decoder.layers:
+        if hasattr(tl.mlp, "router"):
+            g = tl.layer_number - 1
+            handles += [tl.mlp.register_forward_pre_hook(pre(g)), tl.mlp.router.register_forward_hook(restrict(g))]
+    try:
+        with torch.no_grad():
+            model(batch, torch.arange(batch.shape[1], device=device).expand_as(batch), None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return chosen

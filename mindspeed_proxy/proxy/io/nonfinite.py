@@ -14,8 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.keys import is_sliced
+from mindspeed_proxy.proxy.io import pages
 
 MODES = ("refuse", "keep", "exclude")
 SHOWN = 3  # experts named in full in the refusal line
@@ -155,8 +156,6 @@ def _legacy_dense(ckpt):
 
 
 def _dist_dense(ckpt):
-    from mindspeed_proxy.proxy.io.dist.reader import is_sliced
-
     reader = ckpt.chunk_reader()
     for key in sorted(ckpt.index.tensors):
         if is_sliced(key):

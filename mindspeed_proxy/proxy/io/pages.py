@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from mindspeed_proxy.proxy.core.errors import ConversionError
+
 _MADV_DONTNEED = 4
 _M_MMAP_THRESHOLD = -3
 WRITE_BYTES = 4 << 20  # DropAfterWrite writes a large record (and drops its mapped pages) this many bytes at a time
@@ -110,8 +112,6 @@ def pread_into(fd: int, target, offset: int, path: str) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
-            from mindspeed_proxy.proxy.core.errors import ConversionError
-
             raise ConversionError(f"truncated or unreadable shard: {path} ends before byte {offset + len(view)}")
         done += got
 

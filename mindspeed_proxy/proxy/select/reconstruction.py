@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.select.clustering import _assign_to_kept
 
 TOKENS = 2048            # calibration tokens per layer kept for the search
 EXHAUSTIVE = 5000        # at most this many K-subsets: try them all
@@ -34,57 +35,6 @@ def routing_config(args) -> dict:
             "use_pre_softmax": bool(getattr(args, "moe_router_pre_softmax", False)),
             "score_function": getattr(args, "moe_router_score_function", None) or "softmax",
             "scaling_factor": getattr(args, "moe_router_topk_scaling_factor", None)}
-
-
-def sequential_pass(model, gpt, tokens: torch.Tensor, choose, device) -> dict:
-    """{global layer: choose(layer, sample)}: one forward of the first TOKENS calibration tokens in which each
-    MoE layer, in order, chooses its kept experts on the inputs the already-pruned layers produce, then routes
-    over the kept experts only (as the proxy will)."""
-    from mindspeed_proxy.proxy.calibrate.forward import all_expert_outputs
-
-    batch = tokens[:max(1, -(-TOKENS // tokens.shape[1]))].to(device)
-    chosen, handles = {}, []
-
-    def pre(g):
-        def hook(module, inputs):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            num_experts = module.router.weight.shape[0]
-            sample = {"outputs": all_expert_outputs(module.experts, x, num_experts),
-                      "logits": module.router.gating(x).reshape(x.shape[0], -1).float().cpu()}
-            bias = getattr(module.router, "expert_bias", None)
-            if bias is not None and module.config.moe_router_enable_expert_bias:
-                sample["bias"] = bias.detach().float().cpu()
-            chosen[g] = choose(g, sample)
-        return hook
-
-    def restrict(g):
-        def hook(module, inputs, output):
-            from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-
-            routing = routing_config(module.config)
-            logits = module.gating(inputs[0]).reshape(-1, module.weight.shape[0])
-            ids = torch.tensor(chosen[g][0], dtype=torch.long, device=logits.device)
-            bias = getattr(module, "expert_bias", None)
-            use_bias = bias is not None and module.config.moe_router_enable_expert_bias
-            sub_probs, sub_map = topk_routing_with_score_function(
-                logits[:, ids], routing["topk"], use_pre_softmax=routing["use_pre_softmax"],
-                scaling_factor=routing["scaling_factor"], score_function=routing["score_function"],
-                expert_bias=bias[ids] if use_bias else None)
-            probs = torch.zeros_like(logits).index_copy(1, ids, sub_probs.to(logits.dtype))
-            routing_map = torch.zeros_like(logits, dtype=torch.bool).index_copy(1, ids, sub_map)
-            return probs.reshape(output[0].shape), routing_map.reshape(output[1].shape)
-        return hook
-    for tl in gpt.decoder.layers:
-        if hasattr(tl.mlp, "router"):
-            g = tl.layer_number - 1
-            handles += [tl.mlp.register_forward_pre_hook(pre(g)), tl.mlp.router.register_forward_hook(restrict(g))]
-    try:
-        with torch.no_grad():
-            model(batch, torch.arange(batch.shape[1], device=device).expand_as(batch), None)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return chosen
 
 
 def check_size(num_layers: int, num_experts: int, hidden: int) -> None:
@@ -132,8 +82,6 @@ def select(sample: dict, k: int, routing: dict, num_groups=None) -> tuple:
 def selection_result(similarity: np.ndarray, chosen: tuple) -> dict:
     """cluster_layer-shaped result for `chosen` = select()'s (kept, info): others labelled by their nearest kept
     expert, plus the search record."""
-    from mindspeed_proxy.proxy.select.clustering import _assign_to_kept
-
     kept, info = chosen
     result = _assign_to_kept(similarity, kept, 1)
     result["reconstruction"] = info

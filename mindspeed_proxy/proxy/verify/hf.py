@@ -14,11 +14,11 @@ import os
 
 import torch
 
-from mindspeed_proxy.proxy.io.hf import layout as H
-from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.hf import layout as H
 from mindspeed_proxy.proxy.io.hf.checkpoint import CONFIG, INDEX, SINGLE
-from mindspeed_proxy.proxy.verify.legacy import equal_in_blocks
+from mindspeed_proxy.proxy.verify.common import equal_in_blocks
 
 
 def _fail(path: str, what: str) -> None:

@@ -19,8 +19,10 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.keys import expert_axis, is_sliced, key_layer
+from mindspeed_proxy.proxy.core.plan_types import kept_of
+from mindspeed_proxy.proxy.io import pages
 
 
 class _Slice(io.RawIOBase):
@@ -283,25 +285,23 @@ def expected(reader: ChunkReader, chunk: OutChunk) -> torch.Tensor:
 
 def proxy_chunks(ckpt, plan, reader: ChunkReader, keys) -> list:
     """The proxy's chunks of tensors `keys`: the source chunking, expert axes cut to the kept experts."""
-    from mindspeed_proxy.proxy.io.dist import reader as D
-
     K, out = plan.target.num_experts, []
     for key in keys:
         shape, dtype = ckpt.index.tensors[key]
         stored = reader.chunks(key)
-        if not D.is_sliced(key):
+        if not is_sliced(key):
             out += [OutChunk(key, tuple(shape), dtype, o, s) for o, s in stored]
             continue
-        a = D.expert_axis(key)
+        a = expert_axis(key)
         new_shape = tuple(K if i == a else n for i, n in enumerate(shape))
         per_expert = all(s[a] == 1 for _, s in stored)
         rests = sorted({(o[a + 1:], s[a + 1:]) for o, s in stored})
         if a == 0:
-            leads = [((), (), D.key_layer(key))]
+            leads = [((), (), key_layer(key))]
         else:
             leads = [((l,), (1,), l) for l in sorted({o[0] + i for o, s in stored for i in range(s[0])})]
         for lead_o, lead_s, layer in leads:
-            kept = tuple(D.kept_of(plan, layer))
+            kept = tuple(kept_of(plan, layer))
             for rest_o, rest_s in rests:
                 starts = range(K) if per_expert else [0]
                 for j in starts:

@@ -43,3 +43,7 @@ def read_common(folder: str, metadata, trust: bool = False) -> dict:
     if not (isinstance(loaded, (list, tuple)) and len(loaded) == 1 and isinstance(loaded[0], dict)):
         raise ConversionError(f"{shard}: the {COMMON_STATE} record holds {type(loaded).__name__}, not [dict]")
     return loaded[0]
+
+
+KEPT_COMMON = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
+               "num_floating_point_operations_so_far", "content_metadata")

@@ -19,16 +19,27 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy.io import pages
-from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, expected, proxy_chunks
-from mindspeed_proxy.proxy.io.dist.common import COMMON_FILE
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.keys import is_sliced, key_layer
+from mindspeed_proxy.proxy.core.plan_types import kept_of
+from mindspeed_proxy.proxy.core.tracker import TRACKER, iteration_dir_name
+from mindspeed_proxy.proxy.io import hashing, pages
+from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, expected, proxy_chunks
+from mindspeed_proxy.proxy.io.dist.common import COMMON_FILE, KEPT_COMMON
+from mindspeed_proxy.proxy.io.dist.group import ensure_group
+from mindspeed_proxy.proxy.io.dist.index import read_regions
+from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
+from mindspeed_proxy.proxy.io.output_guard import disk_full
+from mindspeed_proxy.proxy.select.policy import kept_fields
 
 
 def _strategy(fetch: dict, progress=None, common_file: bool = False, threads: int = 1, digests=None):
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict)
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
@@ -85,8 +96,6 @@ class _Recording:
         """Write `data`, hashing it when large."""
         view = memoryview(data)
         if view.nbytes >= self.MIN_RECORD and view.c_contiguous:
-            from mindspeed_proxy.proxy.io import hashing
-
             offset, view = self.stream.tell(), view.cast("B")
             h = hashing.new()
             for start in range(0, len(view), pages.WRITE_BYTES):
@@ -189,8 +198,6 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
     except ConversionError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        from mindspeed_proxy.proxy.io.output_guard import disk_full
-
         if disk_full(exc):
             raise  # convert() maps it to one line naming the device and the free space
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -202,3 +209,48 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
         reader.forget()
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise ConversionError(f"writing the torch_dist proxy failed: no .metadata in {folder}")
+
+
+def proxy_objects(ckpt: DistCheckpoint, plan) -> dict:
+    """{proxy object name: (key, shape, offset, source object name)} for every kept sharded object."""
+    out = {}
+    K = plan.target.num_experts
+    for name, (key, shape, offset) in ckpt.index.objects.items():
+        if not is_sliced(key):
+            out[name] = (key, shape, offset, name)
+            continue
+        layer = key_layer(key)
+        if len(shape) != (1 if layer is not None else 2):
+            raise ConversionError(f"{ckpt.folder}: expert object {name} has shape {shape}, expected "
+                                  f"{'(E,)' if layer is not None else '(L, E)'}")
+        kept = kept_of(plan, offset[0] if layer is None else layer)
+        if offset[-1] in kept:
+            new = offset[:-1] + (kept.index(offset[-1]),)
+            new_shape = shape[:-1] + (K,)
+            out[f"{key}/shard_{'.'.join(map(str, new))}_{'.'.join(map(str, new_shape))}"] = (key, new_shape, new, name)
+    return out
+
+
+def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None, workers: int = 1,
+               digests: Optional[dict] = None) -> str:
+    """Write the proxy with megatron `dist_checkpointing.save` under `out_root`, one chunk in memory at a
+    time per writer thread (`workers` threads; see dist_writer); return its iteration folder. `digests`:
+    filled with the written records' digests (dist_writer.save_streaming)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    ensure_group()
+    index, model = ckpt.index, {}
+    objects = proxy_objects(ckpt, plan)
+    values = read_regions(ckpt.folder, index.object_requests(sorted({v[3] for v in objects.values()})))
+    for name, (key, shape, offset, source) in objects.items():
+        model[name] = ShardedObject(key, values[source], shape, offset, replica_id=0)
+    common = index.common
+    state = {k: common[k] for k in kept_fields(KEPT_COMMON, plan.options) if k in common and k != "content_metadata"}
+    state["args"] = new_args
+    folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
+    os.makedirs(folder)
+    save_streaming(ckpt, plan, state, model, folder, common.get("content_metadata"), progress, threads=workers,
+                   digests=digests)
+    with open(os.path.join(out_root, TRACKER), "w", encoding="utf-8") as fh:
+        fh.write(str(ckpt.iteration))
+    return folder

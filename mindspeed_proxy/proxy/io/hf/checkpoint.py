@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy.io.hf import layout as H
-from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.layout import Layout
-from mindspeed_proxy.proxy.io.legacy.checkpoint import MoELayer
+from mindspeed_proxy.proxy.core.refs import LayerRef
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.hf import layout as H
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -78,7 +78,7 @@ class HFCheckpoint:
         self.weight_map = self._weight_map()
         self._check_shards()
         self.keys = find_layers_checked(self)
-        self.layers = [MoELayer(0, "model", k.prefix, k.global_layer) for k in self.keys]
+        self.layers = [LayerRef(0, "model", k.prefix, k.global_layer) for k in self.keys]
         self._by_prefix = {k.prefix: k for k in self.keys}
 
     def _weight_map(self) -> dict:
@@ -137,7 +137,7 @@ class HFCheckpoint:
         return self._open(self.weight_map[key]).get_tensor(key)
 
     def layer_keys(self, layer) -> "H.LayerKeys":
-        """The LayerKeys of MoELayer `layer`."""
+        """The LayerKeys of LayerRef `layer`."""
         return self._by_prefix[layer.prefix]
 
     def expert(self, layer, global_id: int, tp: int = 0) -> dict:
