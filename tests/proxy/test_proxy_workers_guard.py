@@ -56,7 +56,7 @@ def test_workers_write_bit_identical_legacy_proxies_verified_from_digests(checkp
         m.pop("created")
     assert manifests[0] == manifests[1]
     counts = manifests[0]["verification"]
-    from mindspeed_proxy.proxy.io.legacy.checkpoint import RecordingWriter
+    from mindspeed_proxy.proxy.io.legacy.writer import RecordingWriter
 
     tensors = [(k, v) for p in one if p.endswith(".pt")
                for k, v in torch.load(os.path.join(outs[1], p), mmap=True, weights_only=False)["model"].items()
@@ -78,10 +78,10 @@ def test_corrupted_written_byte_caught_from_digests(checkpoints, tmp_path, monke
     """A writer that puts one wrong byte into a kept expert: the written record's digest differs from the
     source record's, the conversion is refused in one line and nothing is left; the verifier never re-read
     the expert from the written file to find out."""
-    from mindspeed_proxy.proxy.io.legacy import checkpoint as legacy_io
-    from mindspeed_proxy.proxy.verify import legacy as verify
+    from mindspeed_proxy.proxy.io.legacy import writer as legacy_writer
+    from mindspeed_proxy.proxy.verify import common, legacy
 
-    build = legacy_io.build_rank_state
+    build = legacy_writer.build_rank_state
     hit = []
 
     def corrupt(ckpt, plan, *args, **kwargs):
@@ -96,9 +96,10 @@ def test_corrupted_written_byte_caught_from_digests(checkpoints, tmp_path, monke
         return state
 
     reread = []
-    compare = verify.equal_in_blocks
-    monkeypatch.setattr(legacy_io, "build_rank_state", corrupt)
-    monkeypatch.setattr(verify, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
+    compare = common.equal_in_blocks
+    monkeypatch.setattr(legacy_writer, "build_rank_state", corrupt)
+    for module in (common, legacy):
+        monkeypatch.setattr(module, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
     out = tmp_path / "out"
     assert main(["--load", checkpoints("ep4"), "--save", str(out), *FLAGS, "--workers", "1"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -170,7 +171,7 @@ def test_disk_full_during_write_is_one_line(checkpoints, tmp_path, monkeypatch, 
         return real(self, data)
 
     monkeypatch.setattr(pages.DropAfterWrite, "write", fill)
-    monkeypatch.setattr("mindspeed_proxy.proxy.io.legacy.checkpoint.RecordingWriter.write", fill)
+    monkeypatch.setattr("mindspeed_proxy.proxy.io.legacy.writer.RecordingWriter.write", fill)
     out = tmp_path / "out"
     assert main(["--load", checkpoints("ep4"), "--save", str(out), *FLAGS, "--workers", "1"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -271,7 +272,7 @@ def test_dist_workers_same_tensors_verified_from_digests(dist_checkpoints, tmp_p
 def test_dist_corrupted_written_byte_caught_from_digests(dist_checkpoints, tmp_path, monkeypatch, capsys):
     """A torch_dist writer that hands DCP one wrong byte in a kept expert chunk: refused, nothing left."""
     from mindspeed_proxy.proxy.io.dist import writer as dist_writer
-    from mindspeed_proxy.proxy.verify import legacy as verify
+    from mindspeed_proxy.proxy.verify import common, dist
 
     expected, hit = dist_writer.expected, []
 
@@ -284,9 +285,10 @@ def test_dist_corrupted_written_byte_caught_from_digests(dist_checkpoints, tmp_p
         return data
 
     reread = []
-    compare = verify.equal_in_blocks
+    compare = common.equal_in_blocks
     monkeypatch.setattr(dist_writer, "expected", corrupt)
-    monkeypatch.setattr(verify, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
+    for module in (common, dist):
+        monkeypatch.setattr(module, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
     out = tmp_path / "out"
     assert main(["--load", dist_checkpoints("ep2_bias"), "--save", str(out), "--target-expert-parallel-size", "1",
                  "--target-num-experts", "4", "--workers", "1"]) == 2
