@@ -106,8 +106,7 @@ def _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, worker
             check_options(options, iteration)
         return _convert(ckpt, save, options, dry_run, echo, workers)
     finally:
-        if hasattr(ckpt, "close"):
-            ckpt.close()
+        ckpt.close()
 
 
 def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, workers: int = 1):

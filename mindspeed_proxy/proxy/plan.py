@@ -5,33 +5,30 @@ import os
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, output_features
 from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.layout import check_k, check_target_ep, target_layout
 from mindspeed_proxy.proxy.core.options import Options  # noqa: F401  (re-exported: plan.Options)
-from mindspeed_proxy.proxy.core.plan_types import Plan, rewrite_args, rules_from_args
+from mindspeed_proxy.proxy.core.plan_types import Plan, rules_from_args
 from mindspeed_proxy.proxy.io import nonfinite
 from mindspeed_proxy.proxy.io.features_file import read_features_file
 from mindspeed_proxy.proxy.io.grams import weight_grams
 from mindspeed_proxy.proxy.io.manifest import sha256
+from mindspeed_proxy.proxy.io.protocol import SourceCheckpoint
 from mindspeed_proxy.proxy.select import clustering, reconstruction, similarity
 
 
-def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Plan:
+def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Callable] = None) -> Plan:
     """Check K and EP2 against the checkpoint's layout, cluster every MoE layer, size the output."""
     source = ckpt.layout
     check_target_ep(source, options.target_ep)
     rules = rules_from_args(ckpt.args, source, options.target_ep)
     check_k(options.target_k, **rules)
     target = target_layout(source, options.target_ep, options.target_k)
-    plan = Plan(source=source, target=target, options=options, fmt=getattr(ckpt, "format", "torch"))
-    if hasattr(ckpt, "rewrite_config"):  # Hugging Face: config.json fields instead of Megatron args
-        plan.new_args, plan.args_diff = ckpt.rewrite_config(target)
-    else:
-        plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    plan = Plan(source=source, target=target, options=options, fmt=ckpt.format)
+    plan.new_args, plan.args_diff = ckpt.rewrite_config(target)  # Hugging Face: config.json fields
     check_selection_options(options, plan.fmt)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
     nonfinite.scan_dense(ckpt)
@@ -70,7 +67,7 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         ckpt.release()
     _check_non_finite(plan, options)
     plan.inputs.pop("chosen", None)
-    plan.bytes_to_write = _bytes_to_write(ckpt, plan)
+    plan.bytes_to_write = ckpt.bytes_to_write(plan)
     return plan
 
 
@@ -211,32 +208,6 @@ def read_usage(path: str, layers, num_experts: int) -> dict:
                                   f"{num_experts} non-negative counts")
         out[layer] = counts
     return out
-
-
-def _nbytes(value) -> int:
-    return value.nbytes if isinstance(value, torch.Tensor) else 0
-
-
-def _bytes_to_write(ckpt, plan: Plan) -> int:
-    """Tensor bytes of the proxy: non-expert tensors per file, K/E of the router rows, the kept experts."""
-    if hasattr(ckpt, "bytes_to_write"):
-        return ckpt.bytes_to_write(plan)
-    total = 0
-    src, tgt = plan.source, plan.target
-    for tp in range(src.tp):
-        for pp in range(src.pp):
-            for chunk in ckpt.chunks:
-                model = ckpt.state(tp, pp, 0)[chunk]
-                layers = [l for l in ckpt.layers if l.pp == pp and l.chunk == chunk]
-                owned = {k for l in layers for k in ckpt.codec(l).owned(model, l.prefix + "experts.")}
-                dense = sum(_nbytes(v) for k, v in model.items() if k not in owned)
-                total += dense * tgt.ep
-                for layer in layers:
-                    router = sum(_nbytes(v) for v in ckpt.router(layer).values())
-                    total -= router * tgt.ep * (src.num_experts - tgt.num_experts) // src.num_experts
-                    for g in plan.kept[layer] if not (src.tp_extend_ep and tp) else []:
-                        total += sum(_nbytes(v) for v in ckpt.expert(layer, g, tp).values())
-    return total
 
 
 def describe(plan: Plan) -> str:

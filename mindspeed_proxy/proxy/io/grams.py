@@ -6,7 +6,9 @@ import os
 import numpy as np
 import torch
 
+from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.protocol import SourceCheckpoint
 from mindspeed_proxy.proxy.select.similarity import PRODUCT_COLUMNS, block_gram, similarity_from_parts
 
 BLOCK_BYTES = 4 << 20  # the staging buffer (E x columns); source pages are dropped once copied into it
@@ -55,30 +57,16 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
     return gram
 
 
-def expert_row_groups(ckpt, layer):
-    """Lists of E same-shaped tensors (one per global expert) whose Grams sum to the layer's weight Gram:
-    the checkpoint's own `expert_row_groups` if it has one (torch_dist: one list per stored chunk
-    region), else one list per expert tensor name and TP rank."""
-    if hasattr(ckpt, "expert_row_groups"):
-        yield from ckpt.expert_row_groups(layer)
-        return
-    L = ckpt.layout
-    for tp in ([0] if L.tp_extend_ep else range(L.tp)):
-        names = sorted(n for n, v in ckpt.expert(layer, 0, tp).items() if isinstance(v, torch.Tensor))
-        for name in names:
-            yield [ckpt.expert(layer, g, tp)[name] for g in range(L.num_experts)]
-
-
-def weight_grams(ckpt, layer) -> list:
+def weight_grams(ckpt: SourceCheckpoint, layer: LayerRef) -> list:
     """[E x E Gram of the flattened expert weights, E x E Gram of the router rows] (float64) of `layer`."""
     L = ckpt.layout
     gram = np.zeros((L.num_experts, L.num_experts))
-    for rows in expert_row_groups(ckpt, layer):
+    for rows in ckpt.expert_row_groups(layer):
         gram += streamed_gram(rows)
     router = ckpt.router(layer)["weight"].to(torch.float64)
     return [gram, (router @ router.T).numpy()]
 
 
-def weight_similarity(ckpt, layer) -> np.ndarray:
+def weight_similarity(ckpt: SourceCheckpoint, layer: LayerRef) -> np.ndarray:
     """E x E cosine similarity of `layer`'s experts: flattened weights (+) router rows, equally weighted."""
     return similarity_from_parts(weight_grams(ckpt, layer))

@@ -25,7 +25,8 @@ from mindspeed_proxy.proxy.core.keys import (
     key_layer,
     stacked_name,
 )
-from mindspeed_proxy.proxy.core.layout import layout_from_args
+from mindspeed_proxy.proxy.core.layout import Layout, layout_from_args
+from mindspeed_proxy.proxy.core.plan_types import rewrite_args
 from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.core.tracker import resolve_iteration
 from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, layer_row_groups
@@ -149,6 +150,10 @@ class DistCheckpoint:
                 slab = self.layer_slabs(layer)[stacked_name(key)]
                 groups = [[slab[e] for e in range(E)]]
             yield from groups
+
+    def rewrite_config(self, target: Layout) -> tuple:
+        """A copy of the common args with Megatron's expert/world fields for `target`, and the diff."""
+        return rewrite_args(self.args, target)
 
     def release(self) -> None:
         """Drop the cached layer."""

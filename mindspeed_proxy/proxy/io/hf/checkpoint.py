@@ -19,6 +19,7 @@ from mindspeed_proxy.proxy.core.layout import Layout
 from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.io.hf import layout as H
+from mindspeed_proxy.proxy.io.protocol import rows_by_tensor_name
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -150,6 +151,10 @@ class HFCheckpoint:
     def router(self, layer) -> dict:
         """{'weight': [E, H], other `gate.*` tensors (e.g. 'e_score_correction_bias': [E])} of `layer`."""
         return {name: self.tensor(key) for name, key in self.layer_keys(layer).router.items()}
+
+    def expert_row_groups(self, layer):
+        """One list of E tensors per expert tensor name (protocol.rows_by_tensor_name)."""
+        return rows_by_tensor_name(self, layer)
 
     def rewrite_config(self, target: Layout) -> tuple:
         """The proxy's config.json (expert-count fields = K) and {field: [old, new]}."""

@@ -14,9 +14,11 @@ import torch
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.layout import Layout, layout_from_args
+from mindspeed_proxy.proxy.core.plan_types import Plan, rewrite_args
 from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.core.tracker import resolve_iteration
 from mindspeed_proxy.proxy.io.legacy import experts as X
+from mindspeed_proxy.proxy.io.protocol import rows_by_tensor_name
 
 FILE = "model_optim_rng.pt"
 _CHUNK = re.compile(r"^model\d*$")
@@ -159,6 +161,42 @@ class LegacyCheckpoint:
         for base, _, names in os.walk(self.folder):
             out += [os.path.join(base, n) for n in names]
         return sorted(out)
+
+
+    def expert_row_groups(self, layer: LayerRef):
+        """One list of E tensors per expert tensor name and TP rank (protocol.rows_by_tensor_name)."""
+        return rows_by_tensor_name(self, layer)
+
+    def rewrite_config(self, target: Layout) -> tuple:
+        """A copy of the args with Megatron's expert/world fields for `target`, and the {field: [old, new]} diff."""
+        return rewrite_args(self.args, target)
+
+    def bytes_to_write(self, plan: Plan) -> int:
+        """Tensor bytes of the proxy: non-expert tensors per file, K/E of the router rows, the kept experts."""
+        total = 0
+        src, tgt = plan.source, plan.target
+        for tp in range(src.tp):
+            for pp in range(src.pp):
+                for chunk in self.chunks:
+                    model = self.state(tp, pp, 0)[chunk]
+                    layers = [l for l in self.layers if l.pp == pp and l.chunk == chunk]
+                    owned = {k for l in layers for k in self.codec(l).owned(model, l.prefix + "experts.")}
+                    dense = sum(_nbytes(v) for k, v in model.items() if k not in owned)
+                    total += dense * tgt.ep
+                    for layer in layers:
+                        router = sum(_nbytes(v) for v in self.router(layer).values())
+                        total -= router * tgt.ep * (src.num_experts - tgt.num_experts) // src.num_experts
+                        for g in plan.kept[layer] if not (src.tp_extend_ep and tp) else []:
+                            total += sum(_nbytes(v) for v in self.expert(layer, g, tp).values())
+        return total
+
+    def close(self) -> None:
+        """Same as release."""
+        self.release()
+
+
+def _nbytes(value) -> int:
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
 
 
 _UNEVEN_PIPELINE = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
