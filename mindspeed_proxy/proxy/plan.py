@@ -10,7 +10,7 @@ from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, outp
 from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.layout import check_k, check_target_ep, target_layout
-from mindspeed_proxy.proxy.core.options import Options  # noqa: F401  (re-exported: plan.Options)
+from mindspeed_proxy.proxy.core.options import Options
 from mindspeed_proxy.proxy.core.plan_types import Plan, rules_from_args
 from mindspeed_proxy.proxy.io import nonfinite
 from mindspeed_proxy.proxy.io.features_file import read_features_file

@@ -1,4 +1,5 @@
-"""`--features outputs`: mean expert outputs on calibration tokens, from the original model run in this process.
+"""The calibration forward: the original model run in this process on calibration tokens (`--features outputs`,
+`--representative saliency`, `--selection reconstruction`).
 
 The original model is built once at TP = PP = EP = 1 (world-1 gloo group, CPU platform layer when torch has
 no accelerator) from the checkpoint's args, with all E experts: args written by Megatron-LM go through
@@ -13,6 +14,8 @@ probability 1) and the outputs are summed in float64; a hook on the router count
 each expert (its own top-k, expert bias included). Feature of expert e = mean over tokens of expert_e(x).
 REAP-like saliency of expert e (for `--representative saliency`) = mean over the tokens routed to e of
 gate value (the router's output probability) x ||expert_e(x)||_2; 0 for an expert no token was routed to.
+`--reconstruction-inputs proxy` runs one more forward (`sequential_pass`) in which each MoE layer chooses its
+experts (select/reconstruction.py) on the inputs the already-pruned layers produce.
 """
 from __future__ import annotations
 
@@ -248,8 +251,8 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
     """({global layer: [E, H] mean expert outputs}, {global layer: [E] tokens routed}, tokens used); with a
     `saliency` dict, also fills it with {global layer: [E] REAP-like saliency} (module docstring); with a
     `sample` dict, fills it with {global layer: {"outputs": [T, E, H], "logits": [T, E], "bias": [E] or
-    absent}} for the first `sample_tokens` tokens (reconstruction.py); `sequential`: a dict whose "choose"
-    (layer, sample) -> (kept, info) is called by `reconstruction.sequential_pass` and whose "kept" it fills."""
+    absent}} for the first `sample_tokens` tokens (select/reconstruction.py); `sequential`: a dict whose "choose"
+    (layer, sample) -> (kept, info) is called by `sequential_pass` and whose "kept" it fills."""
     from mindspeed_proxy import platform
 
     cfg = model_config_from_args(ckpt.args)

@@ -32,8 +32,8 @@ class Options:
     usage_weighted: bool = False  # k-means with the experts' usage shares as sample weights
     seed: int = 0
     selection: Optional[str] = None  # cluster; random: the baseline of the same K; usage: the K most-used;
-    # reconstruction: the K-subset whose layer output best matches the original's (reconstruction.py)
-    reconstruction_inputs: str = "proxy"  # or "original": layer-local scoring (reconstruction.py)
+    # reconstruction: the K-subset whose layer output best matches the original's (select/reconstruction.py)
+    reconstruction_inputs: str = "proxy"  # or "original": layer-local scoring (select/reconstruction.py)
     usage_file: Optional[str] = None  # JSON {global layer: [tokens routed per global expert]}
     calibration_data: Optional[str] = None  # tokens for features="outputs" (see calibration.py)
     calibration_sequences: int = 64

@@ -1,7 +1,7 @@
 """`--selection reconstruction`: keep the K experts whose proxy layer best reproduces the original layer.
 
 On calibration tokens (the first TOKENS of every MoE layer's inputs, captured by the calibration forward of
-`outputs.py`), the output of a proxy layer that keeps the expert set S is
+`calibrate/forward.py`), the output of a proxy layer that keeps the expert set S is
 y_S(x) = sum over e of p_S,e(x) * expert_e(x), where the top-k and the gate values p_S come from megatron's
 own routing function (`topk_routing_with_score_function`) applied to the router logits of S only (and the
 `expert_bias` entries of S): exactly how the proxy will route. Error(S) = mean over tokens of
