@@ -46,10 +46,10 @@ def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto", trus
     """The checkpoint reader for the format found under `load` (`fmt`: auto, megatron or hf); `trust`:
     full unpickling of the `.pt` files (--trust-checkpoint), else megatron-core's safe globals only."""
     if fmt == "hf" or (fmt == "auto" and os.path.isdir(load)):
-        from mindspeed_proxy.proxy.io.hf import checkpoint as hf_io
+        from mindspeed_proxy.proxy.io.hf.checkpoint import HFCheckpoint, looks_like_hf
 
-        if fmt == "hf" or hf_io.looks_like_hf(load):
-            return hf_io.HFCheckpoint(load)
+        if fmt == "hf" or looks_like_hf(load):
+            return HFCheckpoint(load)
     _, folder = resolve_iteration(load, iteration)
     names = os.listdir(folder)
     if "metadata.json" in names or "common.pt" in names or ".metadata" in names:

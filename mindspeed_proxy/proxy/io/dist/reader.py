@@ -1,7 +1,7 @@
 """Read a torch_dist checkpoint (megatron-core `dist_checkpointing`) by global tensor and write a proxy of it.
 
 The source is read through torch.distributed.checkpoint metadata (global keys, shapes, stored chunks): the
-`weights` features and router rows chunk by chunk, memory-mapped (dist_chunks.ChunkReader); only the
+`weights` features and router rows chunk by chunk, memory-mapped (chunks.ChunkReader); only the
 `outputs` features (and chunkings that are not a grid over the experts) read layer slabs `[1, E, ...]`
 through megatron-core's TorchDist load strategy. The model is never built. The proxy is written with `dist_checkpointing.save` from a
 single gloo process: the same global keys, the expert axis (axis 1 of the stacked expert and router

@@ -234,8 +234,8 @@ def proxy_objects(ckpt: DistCheckpoint, plan) -> dict:
 def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=None, workers: int = 1,
                digests: Optional[dict] = None) -> str:
     """Write the proxy with megatron `dist_checkpointing.save` under `out_root`, one chunk in memory at a
-    time per writer thread (`workers` threads; see dist_writer); return its iteration folder. `digests`:
-    filled with the written records' digests (dist_writer.save_streaming)."""
+    time per writer thread (`workers` threads; see save_streaming); return its iteration folder. `digests`:
+    filled with the written records' digests (save_streaming)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ensure_group()
