@@ -29,7 +29,7 @@ setup(
         # mindspeed_proxy/locking.py); tensorboard: the tests read the monitor's tags back from the event files
         # deepspeed: the DeepSpeed host's 2-rank ZeRO tests (CPU accelerator on gloo, no comm op compiled)
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn", "tensorboard",
-                 "deepspeed==0.19.8"],
+                 "import-linter", "deepspeed==0.19.8"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
         "report": ["matplotlib", "markdown-it-py"],
