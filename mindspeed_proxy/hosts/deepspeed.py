@@ -1,6 +1,8 @@
 """DeepSpeed as a host of the mechanism monitor: `attach_monitor(engine, config)` on a Hugging Face MoE model.
 
 ```python
+skip_shm_comm_build()                                   # on CPU, before init_distributed: nothing to compile
+deepspeed.init_distributed(dist_backend="gloo")
 engine, *_ = deepspeed.initialize(model=model, config="ds_config.json", model_parameters=model.parameters())
 monitor = attach_monitor(engine, "ds_config.json")     # reads its "mechanism_monitor": {...} block
 for batch in data:
@@ -13,7 +15,9 @@ monitor.close()
 
 Nothing of DeepSpeed is patched: router logits come from forward hooks on the gate modules
 (`register_forward_hook`), the step count from `engine.global_steps`, ZeRO-3 parameters are gathered with
-`deepspeed.zero.GatheredParameters` one decoder layer at a time, and the data-parallel group is the engine's.
+`deepspeed.zero.GatheredParameters` one decoder layer at a time, and the data-parallel group is the engine's
+(DeepSpeed-MoE layers: their own expert-parallel group, hf_targets.py). `skip_shm_comm_build` replaces
+DeepSpeed's CPU accelerator through its public `set_accelerator`, not a patch.
 """
 from __future__ import annotations
 
