@@ -27,8 +27,9 @@ setup(
     extras_require={
         # pytest-xdist spreads `make test` over the cores (its workers share built checkpoints through
         # mindspeed_proxy/locking.py); tensorboard: the tests read the monitor's tags back from the event files
+        # deepspeed: the DeepSpeed host's 2-rank ZeRO tests (CPU accelerator on gloo, no comm op compiled)
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn", "tensorboard",
-                 "import-linter"],
+                 "import-linter", "deepspeed==0.19.8"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
         "report": ["matplotlib", "markdown-it-py"],
@@ -38,8 +39,8 @@ setup(
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
         # transformers (tested on 5.23.0, which needs no newer torch) builds the tiny models of the tests
         "hf": ["safetensors>=0.8", "transformers==5.23.0"],
-        # the DeepSpeed host (mindspeed_proxy.hosts.deepspeed); not in `test`: its tests compile DeepSpeed's CPU
-        # comm op on first use and run 2-rank ZeRO jobs (they skip, with the reason, when deepspeed is absent)
+        # the DeepSpeed host (mindspeed_proxy.hosts.deepspeed); its CPU accelerator needs no compiler once
+        # hosts.deepspeed.skip_shm_comm_build() declines the shared-memory comm op
         "deepspeed": ["deepspeed==0.19.8", "transformers==5.23.0"],
     },
     entry_points={"console_scripts": ["mindspeed-proxy=mindspeed_proxy.cli:main"]},

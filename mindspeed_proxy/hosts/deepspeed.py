@@ -1,6 +1,8 @@
 """DeepSpeed as a host of the mechanism monitor: `attach_monitor(engine, config)` on a Hugging Face MoE model.
 
 ```python
+skip_shm_comm_build()                                   # on CPU, before init_distributed: nothing to compile
+deepspeed.init_distributed(dist_backend="gloo")
 engine, *_ = deepspeed.initialize(model=model, config="ds_config.json", model_parameters=model.parameters())
 monitor = attach_monitor(engine, "ds_config.json")     # reads its "mechanism_monitor": {...} block
 for batch in data:
@@ -13,7 +15,9 @@ monitor.close()
 
 Nothing of DeepSpeed is patched: router logits come from forward hooks on the gate modules
 (`register_forward_hook`), the step count from `engine.global_steps`, ZeRO-3 parameters are gathered with
-`deepspeed.zero.GatheredParameters` one decoder layer at a time, and the data-parallel group is the engine's.
+`deepspeed.zero.GatheredParameters` one decoder layer at a time, and the data-parallel group is the engine's
+(DeepSpeed-MoE layers: their own expert-parallel group, hf_targets.py). `skip_shm_comm_build` replaces
+DeepSpeed's CPU accelerator through its public `set_accelerator`, not a patch.
 """
 from __future__ import annotations
 
@@ -56,6 +60,32 @@ def monitor_config(config) -> MonitorConfig:
         return MonitorConfig.from_dict(block)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: \"{BLOCK}\": {exc}") from None
+
+
+def skip_shm_comm_build() -> bool:
+    """Make DeepSpeed's CPU accelerator decline only its shared-memory comm op, so that
+    `deepspeed.init_distributed(dist_backend="gloo")` compiles nothing (collectives go through gloo).
+
+    Call before `init_distributed` in every process; True when installed, False when the accelerator in use
+    is not DeepSpeed's CPU one (a GPU or NPU keeps its own)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    current = get_accelerator()
+    if type(current) is not CPU_Accelerator:
+        return type(current).__name__ == "NoShmCPUAccelerator"
+
+    class NoShmCPUAccelerator(CPU_Accelerator):
+        """DeepSpeed's CPU accelerator without the ShareMemCommBuilder op (a JIT-compiled C++ extension)."""
+
+        def create_op_builder(self, op_name):
+            return None if op_name == "ShareMemCommBuilder" else super().create_op_builder(op_name)
+
+        def get_op_builder(self, class_name):
+            return None if class_name == "ShareMemCommBuilder" else super().get_op_builder(class_name)
+
+    set_accelerator(NoShmCPUAccelerator())
+    return True
 
 
 def zero3_gather(params):

@@ -7,10 +7,16 @@ SUM over DP of the fixed-shape [L, ...] tables gives every rank all layers. Para
 partitions are gathered one layer at a time through `gather(params)` (a collective, run on every rank outside
 the failure guards, the same layers in the same order everywhere); the router weights are gathered together
 at a router sample.
+
+DeepSpeed-MoE layers (expert parallelism, `ep_size` > 1): each EP rank computes and snapshots the ΔW of the
+sampled experts it holds, for every layer, and those table entries are summed over the expert-parallel group
+(the rest over DP, as above); router tokens are summed over DP (each rank routes its own tokens) and the
+router records carry `ep_load`, the tokens routed to each EP rank's experts.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +31,20 @@ from mindspeed_proxy.monitor.sinks import build_sinks
 from mindspeed_proxy.monitor.spectral import qk_increment_spectra, singular_values_from_gram, update_gram
 from mindspeed_proxy.monitor.spectral_family import NSTAT, stats_vector
 
+
+
+def deepspeed_gate_routing(gate, inputs, output) -> tuple:
+    """(logits [S, E], bool routing map [S, E]) of one DeepSpeed TopKGate call: the logits recomputed from its
+    input as the gate does (fp32, no jitter), the map = the experts each token was dispatched to (after the
+    capacity drop; top-2 second-expert sampling included)."""
+    logits = torch.nn.functional.linear(inputs[0].detach().float(), gate.wg.weight.detach().float())
+    num_experts = logits.shape[-1]
+    if len(output) == 7:  # sparse routes: indices [k, S], -1 where the capacity evicted the route
+        indices = output[3].long()
+        routed = torch.zeros(indices.shape[1], num_experts + 1, dtype=torch.bool, device=logits.device)
+        routed.scatter_(1, torch.where(indices >= 0, indices, num_experts).T, True)
+        return logits, routed[:, :num_experts]
+    return logits, output[2].any(dim=-1)  # dense: dispatch_mask [S, E, C]
 
 
 def no_gather(params):
@@ -56,6 +76,9 @@ class HFMonitor(MechanismMonitor):
         self.gather = gather
         self.dp_size = dist.get_world_size(self.groups.dp) if self.groups.dp is not None else 1
         self.targets = hf_targets.collect(model, cfg.update_matrices, cfg.experts_per_layer, cfg.layers)
+        if self.targets.ep_group is not None:
+            self.groups = dataclasses.replace(self.groups, ep=self.targets.ep_group, ep_size=self.targets.ep_size,
+                                              ep_rank=dist.get_rank(self.targets.ep_group))
         self.device = next(model.parameters()).device
         t = self.targets
         self.router_stats = (RouterStats(t.num_layers, t.num_experts, t.topk, device=self.device)
@@ -77,8 +100,8 @@ class HFMonitor(MechanismMonitor):
             if self.is_logging_rank else []
         self.alerts, self.last = [], {}
         self.provenance_hook_calls, self.gap_cause = 0, None
-        self._hooks = [gate.register_forward_hook(self._gate_hook(layer)) for layer, gate in t.routers.items()] \
-            if self.router_stats is not None else []
+        self._hooks = [layer.gate.register_forward_hook(self._gate_hook(layer.index, layer.deepspeed_moe))
+                       for layer in t.layers if layer.gate is not None] if self.router_stats is not None else []
         self._emit({"type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
                     "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts,
                     "host": "huggingface", "model_type": t.model_type})
@@ -87,12 +110,17 @@ class HFMonitor(MechanismMonitor):
             self._take_snapshots()
 
     # ---------------------------------------------------------------- hooks
-    def _gate_hook(self, layer: int):
+    def _gate_hook(self, layer: int, deepspeed_moe: bool = False):
         def hook(module, inputs, output):
             if not (module.training and torch.is_grad_enabled()) or "router" in self.disabled:
                 return  # training forwards only (no eval / generation passes)
             try:
-                logits, indices = output[0], output[2] if isinstance(output, tuple) and len(output) > 2 else None
+                if deepspeed_moe:
+                    logits, indices = deepspeed_gate_routing(module, inputs, output)
+                elif isinstance(output, tuple):
+                    logits, indices = output[0], output[2] if len(output) > 2 else None
+                else:
+                    logits, indices = output, None
                 if self.targets.sigmoid:  # softmax(log σ) = σ/Σσ, the normalised affinity
                     logits = torch.nn.functional.logsigmoid(logits.detach().float())
             except Exception:
@@ -100,6 +128,11 @@ class HFMonitor(MechanismMonitor):
                 return
             self.on_router_logits(layer + 1, logits, indices)
         return hook
+
+    def _mine(self, layer: hf_targets.Layer) -> list:
+        """The slots of `layer` this rank computes: all if it owns the layer, else its DeepSpeed-MoE experts."""
+        owns = self.owns(layer.index)
+        return [s for s in layer.slots if s.expert_parallel or owns]
 
     def remove_hooks(self) -> None:
         """Detach the router hooks (the model trains on unmonitored)."""
@@ -121,7 +154,7 @@ class HFMonitor(MechanismMonitor):
         device = torch.device("cpu") if self.config.snapshot_on_cpu else None
         for layer in self.targets.layers:
             with self.gather(layer.params()):  # every rank, every layer (a collective), outside the guard
-                if self.owns(layer.index):
+                if self._mine(layer) or (self.owns(layer.index) and layer.attention is not None):
                     try:
                         self._snapshot_layer(layer, device)
                     except Exception:  # no W_{t-δ} for this layer: both spectral families stop, on every rank
@@ -129,11 +162,11 @@ class HFMonitor(MechanismMonitor):
                         self._fail("attention-spectral")
 
     def _snapshot_layer(self, layer: hf_targets.Layer, device) -> None:
-        for slot in layer.slots:
+        for slot in self._mine(layer):
             self.snapshots[("w", layer.index, slot.index)] = slot.read(self._full).to(
                 device=device, dtype=torch.float32, copy=True)
         a = layer.attention
-        if a is not None:
+        if a is not None and self.owns(layer.index):
             for p in (a.q, a.k, a.q_norm, a.k_norm):
                 if p is not None:
                     self.snapshots[("p", layer.index, id(p))] = self._full(p).to(device=device, copy=True)
@@ -148,11 +181,11 @@ class HFMonitor(MechanismMonitor):
         attn_table = torch.zeros(t.num_layers, t.num_heads, len(terms), NSTAT + 1, device=self.device)
         for layer in t.layers:
             with self.gather(layer.params()):  # every rank, every layer: the gather is a collective
-                if self.owns(layer.index):
-                    if "update-spectral" not in self.disabled:
-                        self._guarded("update-spectral", self._layer_update, layer, update_table)
-                    if "attention-spectral" not in self.disabled and layer.attention is not None:
-                        self._guarded("attention-spectral", self._layer_qk, layer, attn_table)
+                if "update-spectral" not in self.disabled and self._mine(layer):
+                    self._guarded("update-spectral", self._layer_update, layer, update_table)
+                if self.owns(layer.index) and "attention-spectral" not in self.disabled \
+                        and layer.attention is not None:
+                    self._guarded("attention-spectral", self._layer_qk, layer, attn_table)
         self._share_and_publish(iteration, update_table, attn_table, self._reduce_tables)
 
     def weights_loaded(self) -> None:
@@ -161,12 +194,29 @@ class HFMonitor(MechanismMonitor):
             self._take_snapshots()
 
     def _reduce_tables(self, flat: torch.Tensor) -> None:
-        """SUM the ownership-masked tables over the data-parallel group (layers are split over DP ranks)."""
+        """SUM the ownership-masked tables over the data-parallel group (layers are split over DP ranks);
+        with DeepSpeed-MoE experts, their entries over the expert-parallel group instead."""
+        t = self.targets
+        if t.ep_group is None:
+            if self.dp_size > 1:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp)
+            return
+        experts = torch.zeros(t.num_layers, len(t.slots), NSTAT + 1, dtype=torch.bool, device=flat.device)
+        columns = [i for i, name in enumerate(t.slots) if name.startswith("expert")]
+        for layer in t.layers:
+            if layer.deepspeed_moe:
+                experts[layer.index, columns] = True
+        mask = torch.zeros_like(flat, dtype=torch.bool)
+        mask[:experts.numel()] = experts.view(-1)
+        expert_part = torch.where(mask, flat, torch.zeros_like(flat))
+        flat.masked_fill_(mask, 0.0)
         if self.dp_size > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp)
+        dist.all_reduce(expert_part, op=dist.ReduceOp.SUM, group=t.ep_group)
+        flat.add_(expert_part)  # disjoint supports: exact
 
     def _layer_update(self, layer: hf_targets.Layer, table: torch.Tensor) -> None:
-        for slot in layer.slots:
+        for slot in self._mine(layer):
             current = slot.read(self._full)
             delta = current - self.snapshots[("w", layer.index, slot.index)].to(current.device)
             gram = update_gram(delta, None)
@@ -199,6 +249,13 @@ class HFMonitor(MechanismMonitor):
         gates = [g.weight for g in self.targets.routers.values()]
         with self.gather(gates):  # router weights of every layer at once ([E, H] each)
             super()._router_step(iteration)
+
+    def _publish(self, family, iteration, records, per_layer, bank, relabel=None) -> None:
+        if family == "router" and self.groups.ep_size > 1:  # tokens routed to each EP rank's experts
+            for layer, rec in records.items():
+                ep_load = torch.tensor(rec["load"]).view(self.groups.ep_size, -1).sum(dim=-1).tolist()
+                rec["ep_load"] = ep_load
+        super()._publish(family, iteration, records, per_layer, bank, relabel)
 
     def close(self) -> None:
         """Close the sinks, drop the snapshots and detach the router hooks."""

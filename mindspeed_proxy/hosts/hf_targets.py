@@ -16,6 +16,11 @@ The model families and the name of their MoE block come from `mindspeed_proxy.pr
 Slots carry megatron-core's names so the detectors, `report` and `compare` read both hosts alike:
 `linear_qkv` = [q; k; v] stacked rows (the same singular values as megatron's fused weight), `linear_proj` =
 `o_proj`, `router`, `mlp.fc1` = [gate; up], `mlp.fc2` = down, `expert{e}.fc1/fc2`.
+
+A decoder layer's MoE block may instead hold a DeepSpeed-MoE layer (`deepspeed.moe.layer.MoE`, found by its
+`deepspeed_moe` attribute): its router is `deepspeed_moe.gate` (a TopKGate, weight `gate.wg.weight`), its
+experts the `num_experts / ep_size` local ones of this expert-parallel rank (`experts.deepspeed_experts`,
+global index ep_rank·local + i); only those get expert slots here (`Slot.expert_parallel`).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class Slot:
     index: int
     name: str
     parts: list  # [(param, view: full tensor -> [rows, in])]
+    expert_parallel: bool = False  # a DeepSpeed-MoE expert held by this EP rank only
 
     def read(self, full: Callable[[torch.nn.Parameter], torch.Tensor]) -> torch.Tensor:
         """The [out, in] matrix from the full parameters that `full` returns."""
@@ -68,6 +74,7 @@ class Layer:
     slots: list = field(default_factory=list)
     attention: Optional[Attention] = None
     gate: Optional[torch.nn.Module] = None
+    deepspeed_moe: bool = False  # the gate is DeepSpeed's TopKGate (logits recomputed from its input)
 
     def params(self) -> list:
         """Every parameter this layer's statistics read (each once), in a fixed order."""
@@ -95,7 +102,9 @@ class HFTargets:
     sigmoid: bool
     slots: list
     layers: list
-    routers: dict  # {layer: gate module}
+    routers: dict  # {layer: module whose `weight` is the router's [E, H]}
+    ep_group: object = None  # DeepSpeed-MoE's expert-parallel group (None: experts whole on every rank)
+    ep_size: int = 1
 
 
 def _whole(t):
@@ -122,6 +131,38 @@ def _expert_parts(experts, e: int) -> tuple:
     if hasattr(mod, "w1"):  # Mixtral per-expert: w1 gate, w3 up, w2 down
         return [(mod.w1.weight, _whole), (mod.w3.weight, _whole)], [(mod.w2.weight, _whole)]
     return [(mod.gate_proj.weight, _whole), (mod.up_proj.weight, _whole)], [(mod.down_proj.weight, _whole)]
+
+
+def deepspeed_moe_of(block) -> Optional[torch.nn.Module]:
+    """The DeepSpeed-MoE layer (`deepspeed.moe.layer.MoE`) that `block` is or directly holds, else None."""
+    if block is None:
+        return None
+    if hasattr(block, "deepspeed_moe"):
+        return block
+    return next((m for m in block.children() if hasattr(m, "deepspeed_moe")), None)
+
+
+def _ds_expert_parts(moe, e: int) -> tuple:
+    """(fc1 parts, fc2 parts) of local expert `e` of a DeepSpeed-MoE layer (gate/up/down or w1/w3/w2 Linears)."""
+    expert = moe.deepspeed_moe.experts.deepspeed_experts[e]
+    if not (hasattr(expert, "w1") or all(hasattr(expert, n) for n in ("gate_proj", "up_proj", "down_proj"))):
+        raise ValueError(f"DeepSpeed-MoE expert {type(expert).__name__}: expected gate_proj/up_proj/down_proj "
+                         f"or w1/w3/w2 Linear layers")
+    return _expert_parts(moe.deepspeed_moe.experts.deepspeed_experts, e)
+
+
+def _ds_group(moe):
+    """(EP group, EP rank, EP size) of a DeepSpeed-MoE layer (set by deepspeed.initialize)."""
+    size = moe.ep_size
+    if size == 1:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    group = getattr(moe.deepspeed_moe, "ep_group", None)
+    if group is None:
+        raise ValueError("DeepSpeed-MoE layer with ep_size > 1 has no expert-parallel group "
+                         "(attach the monitor after deepspeed.initialize)")
+    return group, dist.get_rank(group), size
 
 
 def _mlp_parts(mlp) -> Optional[tuple]:
@@ -166,7 +207,11 @@ def collect(model: torch.nn.Module, matrices, experts_per_layer: int, layers=Non
                                         config.num_key_value_heads, head_dim)
         block = next((getattr(module, b) for b in arch.blocks if hasattr(module, b)), None)
         gate = getattr(block, "gate", None)
-        if gate is not None and hasattr(block, "experts"):
+        moe = deepspeed_moe_of(block)
+        if moe is not None:
+            _add_deepspeed_moe(out, layer, moe, expert_ids, add)
+            dense = None
+        elif gate is not None and hasattr(block, "experts"):
             layer.gate = gate
             out.routers[index] = gate
             add(layer, "router", [(gate.weight, _whole)])
@@ -183,6 +228,31 @@ def collect(model: torch.nn.Module, matrices, experts_per_layer: int, layers=Non
             add(layer, "mlp.fc2", dense[1])
         out.layers.append(layer)
     return out
+
+
+def _add_deepspeed_moe(out: HFTargets, layer: Layer, moe, expert_ids, add) -> None:
+    """The router and this EP rank's sampled experts of one DeepSpeed-MoE layer."""
+    if moe.num_experts != out.num_experts:
+        raise ValueError(f"DeepSpeed-MoE layer {layer.index}: {moe.num_experts} experts, config says "
+                         f"{out.num_experts}")
+    group, ep_rank, ep_size = _ds_group(moe)
+    if out.ep_group is not None and out.ep_size != ep_size:
+        raise ValueError(f"DeepSpeed-MoE layer {layer.index}: ep_size {ep_size}, an earlier layer has "
+                         f"{out.ep_size} (one expert-parallel size per model is supported)")
+    out.ep_group, out.ep_size = group, ep_size
+    gate = moe.deepspeed_moe.gate
+    layer.gate, layer.deepspeed_moe = gate, True
+    out.routers[layer.index] = gate.wg
+    add(layer, "router", [(gate.wg.weight, _whole)])
+    local = moe.num_local_experts
+    for e in expert_ids:
+        if ep_rank * local <= e < (ep_rank + 1) * local:
+            fc1, fc2 = _ds_expert_parts(moe, e - ep_rank * local)
+            n = len(layer.slots)
+            add(layer, f"expert{e}.fc1", fc1)
+            add(layer, f"expert{e}.fc2", fc2)
+            for slot in layer.slots[n:]:
+                slot.expert_parallel = ep_size > 1  # ep_size 1: whole experts, owned like the rest of the layer
 
 
 @torch.no_grad()

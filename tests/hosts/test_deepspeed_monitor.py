@@ -54,6 +54,20 @@ def ds_config(stage):
             "mechanism_monitor": dict(MONITOR)}
 
 
+def train_steps(engine, monitor, rank):
+    """STEPS steps of this rank's micro-batches of the global batches; the monitor (or None) after each."""
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if monitor is not None:
+            monitor.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train_ds(stage, monitored, fail_rank=None, layers=None):
     import deepspeed
     import torch.distributed as dist
@@ -71,16 +85,7 @@ def _train_ds(stage, monitored, fail_rank=None, layers=None):
         def broken(*args):
             raise RuntimeError("injected failure in the attention-spectral family")
         monitor._layer_qk = broken
-    losses = []
-    for step in range(STEPS):
-        ids = global_batch(step)[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        if monitor is not None:
-            monitor.step()
-        losses.append(loss.item())
-    out = {"losses": losses}
+    out = {"losses": train_steps(engine, monitor, rank)}
     if monitor is not None:
         out.update(last=monitor.last, disabled=sorted(monitor.disabled), failures=sorted(monitor._failures))
         monitor.close()
@@ -88,29 +93,36 @@ def _train_ds(stage, monitored, fail_rank=None, layers=None):
     return out
 
 
-def zero_stages():
-    """Per stage: the monitored run and the unmonitored run's losses (one process per rank for all of them)."""
+def init_gloo():
+    """DeepSpeed on gloo with its CPU accelerator, compiling nothing (no shared-memory comm op)."""
     import deepspeed
 
+    from mindspeed_proxy.hosts.deepspeed import skip_shm_comm_build
+
+    assert skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def zero_stages():
+    """Per stage: the monitored run and the unmonitored run's losses (one process per rank for all of them)."""
+    init_gloo()
     return {stage: (_train_ds(stage, True), _train_ds(stage, False)["losses"]) for stage in (1, 2, 3)}
 
 
 def failing_rank():
     """Rank 1 owns the only monitored layer and its QK statistic raises there."""
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     return _train_ds(2, True, fail_rank=1, layers=[1]), _train_ds(2, False)["losses"]
 
 
-def single_process():
-    """The same model and global batches, 1 process, torch AdamW, no DeepSpeed, the monitor stepped by hand."""
+def single_process(model=None, monitor_config=None):
+    """The same model (default tiny_model()) and global batches, 1 process, torch SGD, no DeepSpeed, the monitor
+    (default MONITOR) stepped by hand."""
     from mindspeed_proxy.hosts.hf_monitor import HFMonitor
 
-    model = tiny_model()
+    model = model if model is not None else tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    monitor = HFMonitor(MONITOR, model)
+    monitor = HFMonitor(monitor_config or MONITOR, model)
     losses = []
     for step in range(STEPS):
         ids = global_batch(step)
@@ -147,16 +159,7 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def comm_op():
-    """DeepSpeed's CPU comm op, which its process-group set-up JIT-compiles on first use (minutes, then cached
-    under ~/.cache/torch_extensions): built here once, so the ranks' timeouts below do not include it."""
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    return ShareMemCommBuilder().load()
-
-
-@pytest.fixture(scope="module")
-def stages(comm_op):
+def stages():
     return run_distributed(zero_stages, 2, timeout=600)
 
 
@@ -189,7 +192,7 @@ def test_monitoring_leaves_losses_bit_identical(stages, stage):
         assert run["losses"] == plain, f"ZeRO-{stage} rank {rank}: monitored {run['losses']} != {plain}"
 
 
-def test_failure_on_one_rank_disables_the_family_everywhere_and_training_goes_on(comm_op):
+def test_failure_on_one_rank_disables_the_family_everywhere_and_training_goes_on():
     runs = run_distributed(failing_rank, 2, timeout=300)  # a collective left unmatched would time out
     for rank, (run, plain) in enumerate(runs):
         assert "attention-spectral" in run["disabled"], (rank, run["disabled"])
