@@ -73,8 +73,9 @@ def check_buildable(args, checkpoint_format: str | None = None) -> None:
     if getattr(args, "multi_latent_attention", False):
         if getattr(args, "rope_type", None) == "yarn" and not torch.cuda.is_available():
             _refuse("rope_type", "yarn", "megatron-core's YaRN cache needs an accelerator")
-        if (getattr(args, "qk_layernorm", False) and getattr(args, "q_lora_rank", None) is None and not have_te
-                and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None):
+        from mindspeed_proxy.mla_attention import q_norm_needs_te
+
+        if q_norm_needs_te(getattr(args, "qk_layernorm", False), getattr(args, "q_lora_rank", None)):
             _refuse("qk_layernorm", True, "with MLA and q_lora_rank=None this megatron-core fuses the Q norm into "
                     "linear_q_proj, which needs Transformer Engine")
     if checkpoint_format == "torch" and getattr(args, "transformer_impl", "local") == "transformer_engine":
