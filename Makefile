@@ -40,7 +40,10 @@ demo: setup
 rl-demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
+# lint-imports: the import contracts of .importlinter (proxy layers, no cycles, the library never imports
+# mindspeed_proxy.testing), docs/architecture.md
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(TESTS)
 
 $(STAMP_LATEST): setup.py Makefile
@@ -54,6 +57,7 @@ test-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -m pytest -q $(XDIST) -m "not slow" -rs $(PYTEST_ARGS) $(LATEST_TESTS)
 
 test-all: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) $(TESTS)
 
 clean-venv:

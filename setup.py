@@ -27,7 +27,8 @@ setup(
     extras_require={
         # pytest-xdist spreads `make test` over the cores (its workers share built checkpoints through
         # mindspeed_proxy/locking.py); tensorboard: the tests read the monitor's tags back from the event files
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn", "tensorboard"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "pyyaml", "scipy", "scikit-learn", "tensorboard",
+                 "import-linter"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
         "report": ["matplotlib", "markdown-it-py"],

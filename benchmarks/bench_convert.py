@@ -149,11 +149,13 @@ def child_convert(argv: list) -> None:
     import mindspeed_proxy.proxy.convert  # noqa: F401
     from mindspeed_proxy.proxy import cli
 
-    modules = ["mindspeed_proxy.proxy.verify", "mindspeed_proxy.proxy.features", "mindspeed_proxy.proxy.hashing",
-               "mindspeed_proxy.proxy.output_guard", "concurrent.futures.process", "multiprocessing"]
+    # megatron.core.safe_globals: every format's reads allow megatron's own safe globals (importing megatron.core
+    # pulls in torch.distributed.tensor, sympy, tensorboard: ~140 MiB, a fixed cost, not a per-tensor one)
+    modules = ["megatron.core.safe_globals", "mindspeed_proxy.proxy.verify.legacy", "mindspeed_proxy.proxy.select.similarity",
+               "mindspeed_proxy.proxy.io.hashing", "mindspeed_proxy.proxy.io.output_guard", "concurrent.futures.process", "multiprocessing"]
     if fmt == "torch_dist":
-        modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.dist_io",
-                    "mindspeed_proxy.proxy.dist_chunks", "mindspeed_proxy.proxy.dist_writer"]
+        modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.io.dist.reader",
+                    "mindspeed_proxy.proxy.io.dist.chunks", "mindspeed_proxy.proxy.io.dist.writer"]
     for name in modules:
         try:
             importlib.import_module(name)

@@ -69,27 +69,23 @@ class Timed:
 def measure(trainer, train_cfg, model_cfg, steps, start):
     """(step s without monitor, with router stats, with everything; router s/step, sample s, bytes held)."""
     from mindspeed_proxy.monitor import MechanismMonitor, MonitorConfig
-    from mindspeed_proxy.patches.router_hooks import attach_router_hooks
+    from mindspeed_proxy.testing.routing import routed_to
 
     trainer.monitor = None
     base = median_step(trainer, train_cfg, model_cfg, steps, start)
     router_only = MechanismMonitor(MonitorConfig(families=["router"], sinks=[]), trainer.model, trainer.optimizer)
     timer = Timed(router_only)
-    handles = attach_router_hooks(trainer.model, router_only)
     trainer.monitor = router_only
-    with_router = median_step(trainer, train_cfg, model_cfg, steps, start + 100)
+    with routed_to(router_only):
+        with_router = median_step(trainer, train_cfg, model_cfg, steps, start + 100)
     router_cost = timer.mean()
-    for h in handles:
-        h.remove()
 
     everything = MechanismMonitor(MonitorConfig(interval=1, delta=1, sinks=[]), trainer.model, trainer.optimizer)
     timer = Timed(everything)
-    handles = attach_router_hooks(trainer.model, everything)
     trainer.monitor = everything
-    with_all = median_step(trainer, train_cfg, model_cfg, steps, start + 200)
+    with routed_to(everything):
+        with_all = median_step(trainer, train_cfg, model_cfg, steps, start + 200)
     sample_cost = timer.median() - router_cost
-    for h in handles:
-        h.remove()
     trainer.monitor = None
     held = everything.bytes_held()
     everything.close()

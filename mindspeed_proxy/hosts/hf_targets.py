@@ -1,6 +1,6 @@
 """Which weights of a Hugging Face MoE model the host monitor watches, found through the converter's family table.
 
-The model families and the name of their MoE block come from `mindspeed_proxy.proxy.hf_layout.ARCHITECTURES`
+The model families and the name of their MoE block come from `mindspeed_proxy.proxy.io.hf.layout.ARCHITECTURES`
 (one table for the converter and this host), resolved from `model.config.model_type`. Per decoder layer:
 
 - attention (`self_attn`): `q_proj`, `k_proj`, `v_proj`, `o_proj` ([out, in] nn.Linear weights, heads of
@@ -25,8 +25,8 @@ from typing import Callable, Optional
 import torch
 
 from mindspeed_proxy.monitor.targets import sampled_experts
-from mindspeed_proxy.proxy import hf_layout
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.io.hf import layout as hf_layout
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 BASE_SLOTS = ["linear_qkv", "linear_proj", "router", "mlp.fc1", "mlp.fc2"]
 SLOT_MATRIX = {"linear_qkv": "linear_qkv", "linear_proj": "linear_proj", "router": "router",

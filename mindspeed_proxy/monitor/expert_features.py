@@ -3,7 +3,7 @@
 At the sampled steps of the window (MonitorConfig.expert_features_*), on every training forward of every
 MoE layer: the layer's input x (after the pre-MLP norm, exactly what the converter's `outputs` pass feeds
 the experts) is all-gathered over expert-TP×EP, each rank applies each of its local experts to every
-gathered token with probability 1 (`proxy.outputs.expert_sums`, the converter's own code) and adds the
+gathered token with probability 1 (`proxy.calibrate.forward.expert_sums`, the converter's own code) and adds the
 float64 sums; the router's routing map of the same call counts the tokens routed to each expert (top-k).
 At the end of the window the sums are reduced (reductions.reduce_expert_sums), divided by the tokens seen,
 and rank 0 writes, atomically, into the monitor's output dir:
@@ -46,7 +46,7 @@ class ExpertFeatureCollector:
             self.steps.append(step)  # before anything that can fail: the same list on every rank
         if failed:
             return
-        from mindspeed_proxy.proxy.outputs import expert_sums
+        from mindspeed_proxy.proxy.calibrate.forward import expert_sums
 
         layer = module.layer_number - 1
         ids = [int(i) for i in module.local_expert_indices]
@@ -87,7 +87,7 @@ class ExpertFeatureCollector:
 
     def write(self, output_dir: str, reduced: dict) -> dict:
         """Write the two files (call on one rank); return the record for monitor.jsonl."""
-        from mindspeed_proxy.proxy.features import write_features_file
+        from mindspeed_proxy.proxy.io.features_file import write_features_file
 
         os.makedirs(output_dir, exist_ok=True)
         features = os.path.join(output_dir, FEATURES_FILE)

@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
 def build_parser(prog: str = "convert_to_proxy.py") -> argparse.ArgumentParser:
@@ -114,7 +114,7 @@ def default_selection(args) -> str:
 
 def options_from_args(args):
     """The Options the parsed flags describe: the flags as given, every default resolved by Options itself."""
-    from mindspeed_proxy.proxy.options import Options
+    from mindspeed_proxy.proxy.core.options import Options
 
     return Options(target_ep=args.target_expert_parallel_size, target_k=args.target_num_experts,
                    features=args.features, representative=args.representative, cluster=args.cluster,
@@ -130,7 +130,7 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     args = build_parser(prog).parse_args(argv)
     from mindspeed_proxy.cli import error
-    from mindspeed_proxy.proxy import pages
+    from mindspeed_proxy.proxy.io import pages
     from mindspeed_proxy.proxy.convert import convert, default_workers
 
     if args.workers is not None and args.workers < 1:
@@ -144,7 +144,7 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
                        overwrite=args.overwrite, fmt=args.format,
                        workers=args.workers if args.workers is not None else default_workers())
         if args.save_features:
-            from mindspeed_proxy.proxy.features import write_features_file
+            from mindspeed_proxy.proxy.io.features_file import write_features_file
 
             write_features_file(args.save_features, plan.vectors)
             print(f"features written to {args.save_features}")

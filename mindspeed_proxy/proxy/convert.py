@@ -7,12 +7,16 @@ import sys
 import tempfile
 from typing import Callable, Optional
 
-from mindspeed_proxy.proxy import hashing, output_guard, pages, process_state
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint, resolve_iteration, write_legacy
-from mindspeed_proxy.proxy.manifest import build_manifest, write_manifest
-from mindspeed_proxy.proxy.plan import Options, describe, launch_flags, make_plan
-from mindspeed_proxy.proxy.verify import verify_legacy
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.core.tracker import resolve_iteration
+from mindspeed_proxy.proxy.core import process_state
+from mindspeed_proxy.proxy.io import hashing, output_guard, pages
+from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
+from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
+from mindspeed_proxy.proxy.io.manifest import build_manifest, write_manifest
+from mindspeed_proxy.proxy.plan import describe, launch_flags, make_plan
+from mindspeed_proxy.proxy.verify.legacy import verify_legacy
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -43,14 +47,14 @@ def open_checkpoint(load: str, iteration: Optional[int], fmt: str = "auto", trus
     """The checkpoint reader for the format found under `load` (`fmt`: auto, megatron or hf); `trust`:
     full unpickling of the `.pt` files (--trust-checkpoint), else megatron-core's safe globals only."""
     if fmt == "hf" or (fmt == "auto" and os.path.isdir(load)):
-        from mindspeed_proxy.proxy import hf_io
+        from mindspeed_proxy.proxy.io.hf.checkpoint import HFCheckpoint, looks_like_hf
 
-        if fmt == "hf" or hf_io.looks_like_hf(load):
-            return hf_io.HFCheckpoint(load)
+        if fmt == "hf" or looks_like_hf(load):
+            return HFCheckpoint(load)
     _, folder = resolve_iteration(load, iteration)
     names = os.listdir(folder)
     if "metadata.json" in names or "common.pt" in names or ".metadata" in names:
-        from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+        from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 
         return DistCheckpoint(load, iteration, trust)
     return LegacyCheckpoint(load, iteration, trust)
@@ -99,13 +103,12 @@ def _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, worker
     ckpt = open_checkpoint(load, iteration, fmt, options.trust_checkpoint)
     try:
         if ckpt.format == "hf":
-            from mindspeed_proxy.proxy.hf_io import check_options
+            from mindspeed_proxy.proxy.io.hf.checkpoint import check_options
 
             check_options(options, iteration)
         return _convert(ckpt, save, options, dry_run, echo, workers)
     finally:
-        if hasattr(ckpt, "close"):
-            ckpt.close()
+        ckpt.close()
 
 
 def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, workers: int = 1):
@@ -126,7 +129,7 @@ def _record_spans(ckpt):
         return True
     if ckpt.format != "torch_dist":
         return False
-    from mindspeed_proxy.proxy.dist_chunks import record_spans
+    from mindspeed_proxy.proxy.io.dist.chunks import record_spans
 
     found: dict = {}
 
@@ -149,24 +152,23 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
         if ckpt.format == "hf":
-            from mindspeed_proxy.proxy.hf_io import write_hf
-            from mindspeed_proxy.proxy.hf_verify import verify_hf
+            from mindspeed_proxy.proxy.io.hf.checkpoint import write_hf
+            from mindspeed_proxy.proxy.verify.hf import verify_hf
 
             write_hf(ckpt, plan, tmp)
             pages.trim_heap()
             verification = verify_hf(ckpt, plan, tmp)
         elif ckpt.format == "torch_dist":
-            from mindspeed_proxy.proxy.dist_io import write_dist
-            from mindspeed_proxy.proxy.verify import verify_dist
-
-            from mindspeed_proxy.proxy.verify import StreamCompare
+            from mindspeed_proxy.proxy.io.dist.writer import write_dist
+            from mindspeed_proxy.proxy.verify.common import StreamCompare
+            from mindspeed_proxy.proxy.verify.dist import verify_dist
 
             written: dict = {}
             write_dist(ckpt, plan, plan.new_args, tmp, workers=workers, digests=written)
             pages.trim_heap()
             verification = verify_dist(ckpt, plan, tmp, StreamCompare(written, hasher))
         else:
-            from mindspeed_proxy.proxy.verify import StreamCompare
+            from mindspeed_proxy.proxy.verify.common import StreamCompare
 
             written = write_legacy(ckpt, plan, plan.target, plan.new_args, tmp, workers=workers)
             pages.trim_heap()

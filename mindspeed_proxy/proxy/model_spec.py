@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mindspeed_proxy.proxy import hf_layout
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.io.hf import layout as hf_layout
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,8 @@ def read_checkpoint_args(load: str, iteration: Optional[int] = None) -> argparse
     """The `args` a Megatron checkpoint recorded (legacy: the first mp_rank file; torch_dist: common.pt), read with
     the converter's iteration resolution and safe loader; no tensor is read."""
     from mindspeed_proxy.checkpoint_io import safe_torch_load
-    from mindspeed_proxy.proxy.legacy_io import FILE, resolve_iteration
+    from mindspeed_proxy.proxy.core.tracker import resolve_iteration
+    from mindspeed_proxy.proxy.io.legacy.reader import FILE
 
     _, folder = resolve_iteration(load, iteration)
     names = os.listdir(folder)

@@ -1,74 +1,34 @@
 """The conversion plan: target layout, K checked against the layout rules, kept experts per layer."""
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
-from mindspeed_proxy.proxy import clustering, features, nonfinite, reconstruction
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, check_k, check_target_ep, target_layout
-from mindspeed_proxy.proxy.options import Options  # noqa: F401  (re-exported: plan.Options)
-
-REWRITTEN_ARGS = ("num_experts", "expert_model_parallel_size", "world_size", "data_parallel_size")
-
-
-@dataclass
-class Plan:
-    """Everything the writer and the verifier need, and what the dry run prints."""
-
-    source: Layout
-    target: Layout
-    options: Options
-    kept: dict = field(default_factory=dict)      # MoELayer -> kept source global ids, ascending
-    details: dict = field(default_factory=dict)   # MoELayer -> cluster_layer() result
-    non_finite: dict = field(default_factory=dict)  # MoELayer -> {global id: [tensors holding NaN/Inf]}
-    new_args: Optional[argparse.Namespace] = None
-    args_diff: dict = field(default_factory=dict)
-    bytes_to_write: int = 0
-    inputs: dict = field(default_factory=dict)    # fingerprints of the data that chose the experts
-    vectors: dict = field(default_factory=dict)   # global layer -> [E, D] features (outputs / FILE)
-    fmt: str = "torch"                            # the source's format: torch, torch_dist or hf
+from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, output_features
+from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import check_k, check_target_ep, target_layout
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.core.plan_types import Plan, rules_from_args
+from mindspeed_proxy.proxy.io import nonfinite
+from mindspeed_proxy.proxy.io.features_file import read_features_file
+from mindspeed_proxy.proxy.io.grams import weight_grams
+from mindspeed_proxy.proxy.io.manifest import sha256
+from mindspeed_proxy.proxy.io.protocol import SourceCheckpoint
+from mindspeed_proxy.proxy.select import clustering, reconstruction, similarity
 
 
-def rules_from_args(args, layout: Layout, ep2: int) -> dict:
-    """Keyword arguments of layout.check_k for this checkpoint and EP2."""
-    return dict(ep2=ep2, tp=layout.tp, topk=int(getattr(args, "moe_router_topk", 2) or 1),
-                num_experts=layout.num_experts, tp_extend_ep=layout.tp_extend_ep,
-                num_groups=getattr(args, "moe_router_num_groups", None),
-                group_topk=getattr(args, "moe_router_group_topk", None),
-                min_per_group=getattr(args, "moe_router_min_experts_per_group", None))
-
-
-def rewrite_args(args, target: Layout) -> tuple:
-    """A copy of `args` with Megatron's expert/world fields for `target`, and the {field: [old, new]} diff."""
-    new = argparse.Namespace(**vars(args))
-    values = {"num_experts": target.num_experts, "expert_model_parallel_size": target.ep,
-              "world_size": target.world_size, "data_parallel_size": target.dp}
-    diff = {}
-    for name, value in values.items():
-        if getattr(args, name, None) != value:
-            diff[name] = [getattr(args, name, None), value]
-        setattr(new, name, value)
-    return new, diff
-
-
-def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Plan:
+def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Callable] = None) -> Plan:
     """Check K and EP2 against the checkpoint's layout, cluster every MoE layer, size the output."""
     source = ckpt.layout
     check_target_ep(source, options.target_ep)
     rules = rules_from_args(ckpt.args, source, options.target_ep)
     check_k(options.target_k, **rules)
     target = target_layout(source, options.target_ep, options.target_k)
-    plan = Plan(source=source, target=target, options=options, fmt=getattr(ckpt, "format", "torch"))
-    if hasattr(ckpt, "rewrite_config"):  # Hugging Face: config.json fields instead of Megatron args
-        plan.new_args, plan.args_diff = ckpt.rewrite_config(target)
-    else:
-        plan.new_args, plan.args_diff = rewrite_args(ckpt.args, target)
+    plan = Plan(source=source, target=target, options=options, fmt=ckpt.format)
+    plan.new_args, plan.args_diff = ckpt.rewrite_config(target)  # Hugging Face: config.json fields
     check_selection_options(options, plan.fmt)
     usage = read_usage(options.usage_file, ckpt.layers, source.num_experts) if options.usage_file else {}
     nonfinite.scan_dense(ckpt)
@@ -88,14 +48,14 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
         if plan.vectors:
-            sim = features.similarity_from_vectors(plan.vectors[layer.global_layer])
+            sim = similarity.similarity_from_vectors(plan.vectors[layer.global_layer])
         else:
-            grams = features.weight_grams(ckpt, layer)
+            grams = weight_grams(ckpt, layer)
             found = nonfinite.confirm(ckpt, layer, nonfinite.suspects_from_grams(grams))
             if found:
                 plan.non_finite[layer] = found
                 grams = nonfinite.masked_grams(grams, found)
-            sim = features.similarity_from_parts(grams)
+            sim = similarity.similarity_from_parts(grams)
         if plan.non_finite and options.non_finite_experts == "refuse":
             ckpt.release()
             continue  # every layer is scanned, so that the refusal names all of them
@@ -107,7 +67,7 @@ def make_plan(ckpt, options: Options, progress: Optional[Callable] = None) -> Pl
         ckpt.release()
     _check_non_finite(plan, options)
     plan.inputs.pop("chosen", None)
-    plan.bytes_to_write = _bytes_to_write(ckpt, plan)
+    plan.bytes_to_write = ckpt.bytes_to_write(plan)
     return plan
 
 
@@ -186,8 +146,6 @@ def check_selection_options(options: Options, fmt: str) -> None:
 
 def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
     """Read the usage file / calibration data / features FILE named by `options`; fill plan.vectors."""
-    from mindspeed_proxy.proxy.manifest import sha256
-
     inputs = {"usage_file": None, "calibration_data": None, "features_file": None, "calibration_usage": None,
               "calibration_saliency": None}
     if options.usage_file:
@@ -198,15 +156,13 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         raise ConversionError("--calibration-data is only used with --features outputs, --representative saliency "
                               "or --selection reconstruction")
     if forward:
-        from mindspeed_proxy.proxy import calibration, outputs
-
         if not options.calibration_data:
             raise ConversionError("--features outputs needs --calibration-data PATH (an indexed dataset prefix, "
                                   "or a .npy / .pt file of token ids [N, S])")
         args = ckpt.args
-        cfg = outputs.model_config_from_args(args, ckpt.format)  # refuse an unsupported model before reading any data
-        calib = calibration.read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
-                                             options.calibration_sequences)
+        cfg = model_config_from_args(args, ckpt.format)  # refuse an unsupported model before reading any data
+        calib = read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
+                                 options.calibration_sequences)
         saliency, sample, sequential = {}, None, None
         if options.selection == "reconstruction":
             reconstruction.check_size(len(ckpt.layers), ckpt.layout.num_experts, cfg.hidden_size)
@@ -215,8 +171,8 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
                 sequential = {"choose": lambda g, s: reconstruction.select(s, options.target_k, routing, groups)}
             else:
                 sample = {}
-        vectors, inputs["calibration_usage"], _ = outputs.output_features(ckpt, calib.tokens, saliency, sample,
-                                                                          reconstruction.TOKENS, sequential)
+        vectors, inputs["calibration_usage"], _ = output_features(ckpt, calib.tokens, saliency, sample,
+                                                                  reconstruction.TOKENS, sequential)
         if sample is not None:
             inputs["chosen"] = {g: reconstruction.select(s, options.target_k, routing, groups)
                                 for g, s in sample.items()}
@@ -227,13 +183,13 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
         if options.feature_type == "outputs":
             plan.vectors = vectors
     if options.feature_type == "file":
-        plan.vectors = features.read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
+        plan.vectors = read_features_file(options.features, ckpt.layers, ckpt.layout.num_experts)
         inputs["features_file"] = {"path": os.path.abspath(options.features), "sha256": sha256(options.features)}
     return inputs
 
 
 def read_usage(path: str, layers, num_experts: int) -> dict:
-    """{MoELayer: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
+    """{LayerRef: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
     import json
 
     try:
@@ -252,32 +208,6 @@ def read_usage(path: str, layers, num_experts: int) -> dict:
                                   f"{num_experts} non-negative counts")
         out[layer] = counts
     return out
-
-
-def _nbytes(value) -> int:
-    return value.nbytes if isinstance(value, torch.Tensor) else 0
-
-
-def _bytes_to_write(ckpt, plan: Plan) -> int:
-    """Tensor bytes of the proxy: non-expert tensors per file, K/E of the router rows, the kept experts."""
-    if hasattr(ckpt, "bytes_to_write"):
-        return ckpt.bytes_to_write(plan)
-    total = 0
-    src, tgt = plan.source, plan.target
-    for tp in range(src.tp):
-        for pp in range(src.pp):
-            for chunk in ckpt.chunks:
-                model = ckpt.state(tp, pp, 0)[chunk]
-                layers = [l for l in ckpt.layers if l.pp == pp and l.chunk == chunk]
-                owned = {k for l in layers for k in ckpt.codec(l).owned(model, l.prefix + "experts.")}
-                dense = sum(_nbytes(v) for k, v in model.items() if k not in owned)
-                total += dense * tgt.ep
-                for layer in layers:
-                    router = sum(_nbytes(v) for v in ckpt.router(layer).values())
-                    total -= router * tgt.ep * (src.num_experts - tgt.num_experts) // src.num_experts
-                    for g in plan.kept[layer] if not (src.tp_extend_ep and tp) else []:
-                        total += sum(_nbytes(v) for v in ckpt.expert(layer, g, tp).values())
-    return total
 
 
 def describe(plan: Plan) -> str:
@@ -313,12 +243,6 @@ def describe(plan: Plan) -> str:
     if not hf:
         lines.append(start_note(plan))
     return "\n".join(lines)
-
-
-def kept_fields(fields, options: Options) -> tuple:
-    """The top-level checkpoint fields the proxy keeps: `fields` less `opt_param_scheduler` unless
-    --keep-optimizer-args (optimizer, RNG and rerun state are never in `fields`)."""
-    return tuple(f for f in fields if options.keep_optimizer_args or f != "opt_param_scheduler")
 
 
 def start_note(plan: Plan) -> str:

@@ -8,8 +8,8 @@ from typing import Optional
 
 from mindspeed_proxy.cli import error
 from mindspeed_proxy.proxy import model_spec, planner
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import check_k
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import check_k
 
 PROG = "mindspeed-proxy plan"
 # Megatron-LM model flags the planner reads (same names and meanings as megatron/training/arguments.py)
@@ -128,7 +128,7 @@ def model_and_defaults(args) -> tuple:
 
 
 def _is_hf_folder(path: str) -> bool:
-    from mindspeed_proxy.proxy.hf_io import looks_like_hf
+    from mindspeed_proxy.proxy.io.hf.checkpoint import looks_like_hf
 
     return looks_like_hf(path)
 

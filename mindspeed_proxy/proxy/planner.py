@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, k_violations, target_layout, valid_k_values
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout, k_violations, target_layout, valid_k_values
+from mindspeed_proxy.proxy.core.plan_types import rules_from_args
 from mindspeed_proxy.proxy.model_spec import ModelSpec
-from mindspeed_proxy.proxy.plan import rules_from_args
 
 GIB = 2 ** 30
 OPT_STEP_BYTES = 30   # per owned parameter: read fp32 grad 4, read+write fp32 main, Adam m, v (3 x 8), write bf16 2

@@ -26,7 +26,7 @@ def features_run(out_dir, tp=1, ep=1, fail_on_rank=None):
     patches.apply(MonitorConfig(families=["router"], router_interval=1, sinks=["jsonl"], output_dir=out_dir,
                                 expert_features=True, expert_features_interval=2, expert_features_steps=2))
     if fail_on_rank is not None and dist.get_rank() == fail_on_rank:
-        from mindspeed_proxy.proxy import outputs
+        from mindspeed_proxy.proxy.calibrate import forward as outputs
 
         def broken(*args, **kwargs):
             raise RuntimeError("injected failure in expert_sums")

@@ -108,9 +108,9 @@ def test_writer_sinks_for_tensorboard_and_wandb(tmp_path):
 def state_round_trip(steps):
     """Train with the monitor, save its state through JSON, restore into a fresh monitor."""
     from mindspeed_proxy.monitor import MechanismMonitor
-    from mindspeed_proxy.patches.router_hooks import attach_router_hooks
     from mindspeed_proxy.testing.batches import synthetic_microbatches
     from mindspeed_proxy.testing.parallel import init_parallel
+    from mindspeed_proxy.testing.routing import routed_to
     from mindspeed_proxy.tiny_moe import TinyMoEConfig
     from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
 
@@ -119,10 +119,11 @@ def state_round_trip(steps):
     trainer = Trainer(model_cfg, train_cfg)
     config = MonitorConfig(interval=2, delta=1, router_interval=2, sinks=[])
     monitor = MechanismMonitor(config, trainer.model, trainer.optimizer)
-    attach_router_hooks(trainer.model, monitor)
     trainer.monitor = monitor
-    for it in range(steps):
-        trainer.train_step(synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64, 264), iteration=it + 1)
+    with routed_to(monitor):
+        for it in range(steps):
+            trainer.train_step(synthetic_microbatches(microbatch_sample_ids(train_cfg, it), 64, 264),
+                               iteration=it + 1)
     state = json.loads(json.dumps(monitor.state_dict()))
     restored = MechanismMonitor(config, trainer.model, trainer.optimizer, iteration=steps)
     restored.load_state_dict(state)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mindspeed_proxy.monitor import MechanismMonitor, MonitorConfig
-from mindspeed_proxy.patches.router_hooks import attach_router_hooks
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.testing.batches import synthetic_microbatches
 from mindspeed_proxy.layout_init import global_init
 from mindspeed_proxy.testing.parallel import init_parallel
+from mindspeed_proxy.testing.routing import routed_to
 from mindspeed_proxy.tiny_moe import TinyMoEConfig
 from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
 
@@ -41,13 +41,13 @@ def monitored_run(tp=1, ep=1, pp=1, steps=4, num_layers=2, layer_freq=1, out_dir
             def broken(*args, **kwargs):
                 raise RuntimeError(f"injected failure in {fail_target}")
             setattr(monitor_module, fail_target, broken)
-    attach_router_hooks(trainer.model, monitor)
     trainer.monitor = monitor
     losses = []
-    for it in range(steps):
-        batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), model_cfg.seq_length,
-                                         model_cfg.vocab_size)
-        losses.append(trainer.train_step(batches, iteration=it + 1)["loss"])
+    with routed_to(monitor):
+        for it in range(steps):
+            batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), model_cfg.seq_length,
+                                             model_cfg.vocab_size)
+            losses.append(trainer.train_step(batches, iteration=it + 1)["loss"])
     grams = sum(t.numel() * t.element_size() for cached, _ in monitor._qk_grams.values() for t in _tensors(cached))
     snapshots = sum(s.numel() * s.element_size() for s in monitor.snapshots.values())
     assert monitor.bytes_held() >= snapshots + grams and (grams > 0) == bool(monitor._qk_grams)

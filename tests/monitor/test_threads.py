@@ -157,9 +157,9 @@ def test_heads_in_parallel_give_the_serial_result(two_threads, monkeypatch, gqa)
 def monitored_threads(steps=3):
     """Train the tiny MoE at 2 torch threads with every family sampled each step; the monitor's thread counts."""
     from mindspeed_proxy.monitor import MechanismMonitor, MonitorConfig
-    from mindspeed_proxy.patches.router_hooks import attach_router_hooks
     from mindspeed_proxy.testing.batches import synthetic_microbatches
     from mindspeed_proxy.testing.parallel import init_parallel
+    from mindspeed_proxy.testing.routing import routed_to
     from mindspeed_proxy.tiny_moe import TinyMoEConfig
     from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
 
@@ -181,13 +181,13 @@ def monitored_threads(steps=3):
 
     monitor.router_stats.update = spying("update", monitor.router_stats.update)
     monitor._attention_spectra = spying("spectral", monitor._attention_spectra)
-    attach_router_hooks(trainer.model, monitor)
     trainer.monitor = monitor
-    for it in range(steps):
-        batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), model_cfg.seq_length,
-                                         model_cfg.vocab_size)
-        trainer.train_step(batches, iteration=it + 1)
-        seen["train"].append((torch.get_num_threads(), tuple(blas_threads())))
+    with routed_to(monitor):
+        for it in range(steps):
+            batches = synthetic_microbatches(microbatch_sample_ids(train_cfg, it), model_cfg.seq_length,
+                                             model_cfg.vocab_size)
+            trainer.train_step(batches, iteration=it + 1)
+            seen["train"].append((torch.get_num_threads(), tuple(blas_threads())))
     samples = sorted(monitor.last)
     monitor.close()
     return seen, samples, sorted(monitor.disabled)

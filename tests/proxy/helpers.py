@@ -140,7 +140,7 @@ def dist_common(folder):
     """The common state of torch_dist `folder`, wherever the writing megatron-core kept it (common.pt before 0.19)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mindspeed_proxy.proxy.dist_common import read_common
+    from mindspeed_proxy.proxy.io.dist.common import read_common
 
     return read_common(folder, FileSystemReader(folder).read_metadata())
 

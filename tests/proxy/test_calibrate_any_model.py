@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_proxy.proxy import outputs
+from mindspeed_proxy.proxy.calibrate import forward as outputs
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.testing import run_distributed
@@ -129,7 +129,7 @@ def _save_source(case, fmt, root, tokens):
 def _calibration_logits(root, tokens):
     """The converter's own model of the checkpoint (its builder and loader), logits on `tokens`."""
     from mindspeed_proxy import parallel
-    from mindspeed_proxy.proxy import calibration_model
+    from mindspeed_proxy.proxy.calibrate import model as calibration_model
 
     ckpt = open_checkpoint(root, None)
     state = parallel.setup(seed=0)
@@ -206,8 +206,8 @@ def test_cli_converts_with_the_calibration_forward(source, selection, capsys):
 
 
 def test_unbuildable_option_refused_in_one_line(tmp_path, capsys):
-    from mindspeed_proxy.proxy import calibration_model
-    from mindspeed_proxy.proxy.errors import ConversionError
+    from mindspeed_proxy.proxy.calibrate import model as calibration_model
+    from mindspeed_proxy.proxy.core.errors import ConversionError
 
     args = megatron_lm_args("dense_first")
     args.moe_grouped_gemm = True
@@ -231,7 +231,7 @@ def _trainer_model_vs_builder(flags):
     """Logits of the trainer's model (tiny_moe) and of the converter's builder from the args the trainer records,
     both holding the trainer model's weights."""
     from mindspeed_proxy import parallel
-    from mindspeed_proxy.proxy import calibration_model
+    from mindspeed_proxy.proxy.calibrate import model as calibration_model
     from mindspeed_proxy.tiny_moe import build_model
     from mindspeed_proxy.training import arguments as A
 

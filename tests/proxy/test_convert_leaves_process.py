@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mindspeed_proxy.proxy.convert import convert
-from mindspeed_proxy.proxy.plan import Options
+from mindspeed_proxy.proxy.core.options import Options
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=(4, 64))
 
@@ -85,7 +85,7 @@ PROBE = textwrap.dedent("""
     mode, src, out = sys.argv[1:4]
     if mode == "api":
         from mindspeed_proxy.proxy.convert import convert
-        from mindspeed_proxy.proxy.plan import Options
+        from mindspeed_proxy.proxy.core.options import Options
         convert(src, out, Options(target_ep=1, target_k=4), echo=lambda *a: None)
     elif mode == "cli":
         from mindspeed_proxy.proxy.cli import main

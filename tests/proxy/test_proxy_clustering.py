@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import clustering, features
+from mindspeed_proxy.proxy.select import clustering
+from mindspeed_proxy.proxy.io import grams
+from mindspeed_proxy.proxy.select import similarity
 from mindspeed_proxy.proxy.convert import open_checkpoint
-from mindspeed_proxy.proxy.plan import Options, make_plan
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.plan import make_plan
 
 
 def _planted(n_experts=16, k=4, dim=3000, noise=0.3, seed=0):
@@ -27,7 +30,7 @@ def _same_partition(labels, truth):
 @pytest.mark.parametrize("method", ["agglomerative", "kmeans"])
 def test_planted_prototypes_recovered(method):
     vectors, truth = _planted()
-    result = clustering.cluster_layer(features.similarity_from_vectors(vectors), 4, method, seed=7)
+    result = clustering.cluster_layer(similarity.similarity_from_vectors(vectors), 4, method, seed=7)
     assert _same_partition(result["labels"], truth)
     assert sorted(truth[result["kept"]].tolist()) == [0, 1, 2, 3]  # one representative per prototype
     assert result["sizes"] == [4, 4, 4, 4]
@@ -35,7 +38,7 @@ def test_planted_prototypes_recovered(method):
 
 
 def test_medoid_and_usage_representatives():
-    sim = features.similarity_from_vectors(np.array([[1.0, 0.0], [0.9, 0.1], [0.8, 0.3], [0.0, 1.0]]))
+    sim = similarity.similarity_from_vectors(np.array([[1.0, 0.0], [0.9, 0.1], [0.8, 0.3], [0.0, 1.0]]))
     dist = clustering.angular_distance(sim)
     labels = np.array([0, 0, 0, 1])
     assert clustering.representatives(labels, dist, "medoid") == [1, 3]  # the middle one of three
@@ -44,7 +47,7 @@ def test_medoid_and_usage_representatives():
 
 def test_group_limited_routing_keeps_k_over_groups_per_group():
     vectors, _ = _planted(n_experts=8, k=4)
-    result = clustering.cluster_layer(features.similarity_from_vectors(vectors), 4, num_groups=2)
+    result = clustering.cluster_layer(similarity.similarity_from_vectors(vectors), 4, num_groups=2)
     assert sum(g < 4 for g in result["kept"]) == 2 and sum(g >= 4 for g in result["kept"]) == 2
 
 
@@ -52,13 +55,13 @@ def test_streamed_gram_equals_dense_gram():
     rows = [torch.randn(7, 13, dtype=torch.bfloat16) for _ in range(5)]
     dense = torch.stack([r.reshape(-1).double() for r in rows])
     expected = (dense @ dense.T).numpy()
-    # float32 products summed in float64 (features.block_gram): ~1e-7 relative, not float64's 1e-12
-    assert np.allclose(features.streamed_gram(rows, block_bytes=8 * 5 * 3), expected, rtol=1e-6)
+    # float32 products summed in float64 (similarity.block_gram): ~1e-7 relative, not float64's 1e-12
+    assert np.allclose(grams.streamed_gram(rows, block_bytes=8 * 5 * 3), expected, rtol=1e-6)
 
 
 def test_deterministic_for_a_seed():
     vectors, _ = _planted(noise=2.0)  # ambiguous clusters: only the seed makes k-means repeatable
-    sim = features.similarity_from_vectors(vectors)
+    sim = similarity.similarity_from_vectors(vectors)
     runs = [clustering.cluster_layer(sim, 4, "kmeans", seed=11)["labels"] for _ in range(2)]
     assert runs[0] == runs[1]
 

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from mindspeed_proxy.proxy.dist_common import COMMON_STATE, read_common
-from mindspeed_proxy.proxy.errors import ConversionError
+from mindspeed_proxy.proxy.io.dist.common import COMMON_STATE, read_common
+from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
 class RunsCode:

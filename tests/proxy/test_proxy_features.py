@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import outputs
+from mindspeed_proxy.proxy.calibrate import forward as outputs
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.proxy.convert import open_checkpoint
-from mindspeed_proxy.proxy.plan import Options, make_plan
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.plan import make_plan
 from mindspeed_proxy.testing import run_distributed
 from mindspeed_proxy.training.loop import train
 

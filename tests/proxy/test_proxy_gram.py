@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_proxy.proxy import features
-from mindspeed_proxy.proxy.dist_chunks import layer_row_groups
+from mindspeed_proxy.proxy.io import grams
+from mindspeed_proxy.proxy.select import similarity
+from mindspeed_proxy.proxy.io.dist.chunks import layer_row_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,10 +36,10 @@ def test_blockwise_gram_matches_float64_reference(dtype, block_bytes, columns):
     base = torch.randn(300, 257, generator=gen)
     # correlated rows with different scales and offsets, so a wrong row / column pairing shows
     rows = [(base * (0.5 + i) + 0.3 * torch.randn(300, 257, generator=gen) + i / 7).to(dtype) for i in range(7)]
-    gram = features.streamed_gram(rows, block_bytes=block_bytes, columns=columns)
+    gram = grams.streamed_gram(rows, block_bytes=block_bytes, columns=columns)
     scaled = _scaled_error(gram, _reference(rows))
     assert scaled < (1e-12 if dtype == torch.float64 else 1e-6), scaled
-    sim, ref_sim = features.similarity_from_parts([gram]), features.similarity_from_parts([_reference(rows)])
+    sim, ref_sim = similarity.similarity_from_parts([gram]), similarity.similarity_from_parts([_reference(rows)])
     assert np.abs(sim - ref_sim).max() < 1e-6
 
 
@@ -47,7 +48,7 @@ def test_blockwise_gram_uses_float32_products_not_float64():
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randn(1 << 16, generator=gen) for _ in range(4)]
     ref = _reference(rows)
-    gram = features.streamed_gram(rows)
+    gram = grams.streamed_gram(rows)
     assert not np.array_equal(gram, ref)  # float64 products would agree to the last bits here
     assert _scaled_error(gram, ref) < 1e-6
 
@@ -119,7 +120,7 @@ def test_layer_row_groups_refuse_a_non_grid_chunking():
 def test_dist_weight_features_streamed_equal_float64_reference(dist_checkpoints, monkeypatch):
     from test_proxy_dist import ITER, read_all
 
-    from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+    from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 
     src = dist_checkpoints("ep2_bias")
     full = read_all(os.path.join(src, ITER))
@@ -132,8 +133,8 @@ def test_dist_weight_features_streamed_equal_float64_reference(dist_checkpoints,
                                        if k.startswith("decoder.layers.mlp.experts.")]) for e in range(8)]
             x = np.stack(experts)
             router = full["decoder.layers.mlp.router.weight"][l].double().numpy()
-            want = features.similarity_from_parts([x @ x.T, router @ router.T])
-            got = features.weight_similarity(ckpt, layer)
+            want = similarity.similarity_from_parts([x @ x.T, router @ router.T])
+            got = grams.weight_similarity(ckpt, layer)
             assert np.abs(got - want).max() < 1e-6
             assert torch.equal(ckpt.router(layer)["weight"], full["decoder.layers.mlp.router.weight"][l])
             assert torch.equal(ckpt.router(layer)["expert_bias"], full["decoder.layers.mlp.router.expert_bias"][l])
@@ -171,8 +172,10 @@ open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w").write("1")
 del model
 dist.destroy_process_group()
 import gc; gc.collect()
-from mindspeed_proxy.proxy import features, pages
-from mindspeed_proxy.proxy.dist_io import DistCheckpoint
+from mindspeed_proxy.proxy.io import grams
+from mindspeed_proxy.proxy.select import similarity
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 import numpy, torch.distributed.checkpoint
 ckpt = DistCheckpoint(root)
 pages.register(*ckpt.file_paths())
@@ -184,11 +187,11 @@ def status():
         if k in ("VmRSS", "VmHWM"):
             out[k] = int(v.split()[0]) * 1024
     return out
-features.weight_similarity(ckpt, ckpt.layers[0])  # warm up (lazy imports, allocator)
+grams.weight_similarity(ckpt, ckpt.layers[0])  # warm up (lazy imports, allocator)
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
 base = status()["VmRSS"]
 for layer in ckpt.layers:
-    features.weight_similarity(ckpt, layer)
+    grams.weight_similarity(ckpt, layer)
     ckpt.release()
 print("MEM " + json.dumps({"base": base, "hwm": status()["VmHWM"], "tensor": 2 * F * H * 4, "slab": E * 3 * F * H * 4}))
 """
@@ -211,7 +214,7 @@ def test_dist_feature_pass_holds_under_two_tensors(tmp_path):
 def test_gram_of_memory_mapped_rows_reads_the_file(tmp_path, dtype):
     """Rows memory-mapped from a registered file are pread from their place in the file (float32 straight
     into the buffer, bfloat16 through a staging row): same Gram as the float64 reference."""
-    from mindspeed_proxy.proxy import pages
+    from mindspeed_proxy.proxy.io import pages
 
     gen = torch.Generator().manual_seed(3)
     experts = {f"e{i}": (torch.randn(96, 50, generator=gen) + i).to(dtype) for i in range(5)}
@@ -226,7 +229,7 @@ def test_gram_of_memory_mapped_rows_reads_the_file(tmp_path, dtype):
         with open(path, "rb") as fh:
             fh.seek(place[1])
             assert fh.read(rows[3].nbytes) == rows[3].contiguous().view(torch.uint8).numpy().tobytes()
-        gram = features.streamed_gram(rows, block_bytes=4 * 5 * 700, columns=256)
+        gram = grams.streamed_gram(rows, block_bytes=4 * 5 * 700, columns=256)
     finally:
         pages.unregister_all()
     assert _scaled_error(gram, _reference(rows)) < 1e-6

@@ -3,9 +3,9 @@ import argparse
 
 import pytest
 
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.layout import Layout, check_k, layout_from_args, target_layout, valid_k_values
-from mindspeed_proxy.proxy.plan import rewrite_args
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.layout import Layout, check_k, layout_from_args, target_layout, valid_k_values
+from mindspeed_proxy.proxy.core.plan_types import rewrite_args
 
 RULES = dict(ep2=2, tp=2, topk=2, num_experts=16)
 

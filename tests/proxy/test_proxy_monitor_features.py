@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from mindspeed_proxy.proxy import outputs
+from mindspeed_proxy.proxy.calibrate import forward as outputs
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.testing import run_distributed

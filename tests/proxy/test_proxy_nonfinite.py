@@ -120,8 +120,8 @@ def test_non_expert_tensor_refused_even_with_keep(checkpoints, tmp_path, capsys)
 
 def test_torch_dist_nan_expert_named(dist_checkpoints, tmp_path):
     """A flipped float inside a .distcp expert chunk: refused naming layer and expert; exclude avoids it."""
-    from mindspeed_proxy.proxy import pages
-    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+    from mindspeed_proxy.proxy.io import pages
+    from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader
 
     root = tmp_path / "ckpt"
     shutil.copytree(dist_checkpoints("ep2_bias"), root)

@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 
 from mindspeed_proxy.proxy.cli import build_parser, options_from_args
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.options import Options
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.options import Options
 
 BASE = ["--load", "x", "--target-expert-parallel-size", "2", "--target-num-experts", "4"]
 

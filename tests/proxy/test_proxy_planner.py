@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mindspeed_proxy.cli import main as cli_main
-from mindspeed_proxy.proxy import model_spec, planner
+from mindspeed_proxy.proxy import model_spec
+from mindspeed_proxy.proxy import planner
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
 
@@ -150,7 +151,7 @@ def planner_args(argv):
 
 def _numel_legacy(root, ep):
     from mindspeed_proxy.checkpoint_io import safe_torch_load
-    from mindspeed_proxy.proxy.legacy_io import resolve_iteration
+    from mindspeed_proxy.proxy.core.tracker import resolve_iteration
 
     _, folder = resolve_iteration(root, None)
     n = 0
@@ -167,8 +168,8 @@ def test_counts_equal_the_tensors_of_real_megatron_checkpoints(checkpoints, dist
     assert s.layout == {"tp": 1, "pp": 1, "ep": 2, "dp": 2}
     dist = dist_checkpoints("grouped")  # torch_dist, layers 1 and 3 dense (--moe-layer-freq 2)
     s = model_spec.from_megatron_args(model_spec.read_checkpoint_args(dist), dist)
-    from mindspeed_proxy.proxy.dist_io import DistIndex
-    from mindspeed_proxy.proxy.legacy_io import resolve_iteration
+    from mindspeed_proxy.proxy.io.dist.index import DistIndex
+    from mindspeed_proxy.proxy.core.tracker import resolve_iteration
 
     index = DistIndex(resolve_iteration(dist, None)[1])
     numel = sum(torch.Size(shape).numel() for shape, _ in index.tensors.values())

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.proxy import clustering, features, outputs
+from mindspeed_proxy.proxy.select import clustering
+from mindspeed_proxy.proxy.select import similarity
+from mindspeed_proxy.proxy.calibrate import forward as outputs
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.proxy.convert import open_checkpoint
 from mindspeed_proxy.testing import run_distributed
@@ -20,7 +22,7 @@ BASE = ["--target-expert-parallel-size", "1", "--target-num-experts", "4"]
 
 def test_saliency_representative_is_the_cluster_argmax():
     rng = np.random.default_rng(3)
-    sim = features.similarity_from_vectors(rng.standard_normal((8, 5)))
+    sim = similarity.similarity_from_vectors(rng.standard_normal((8, 5)))
     saliency = rng.random(8)
     result = clustering.cluster_layer(sim, 3, representative="saliency", saliency=saliency)
     labels = np.array(result["labels"])
@@ -59,7 +61,7 @@ def test_usage_weighted_kmeans_minimises_the_usage_weighted_objective():
     angles = np.radians([0, 10, 60, 100, 150, 200, 250, 300])
     vectors = np.stack([np.cos(angles), np.sin(angles)], axis=1)
     usage = np.array([500, 400, 1, 2, 1, 3, 1, 2], dtype=np.float64)
-    sim = features.similarity_from_vectors(vectors)
+    sim = similarity.similarity_from_vectors(vectors)
     weighted = clustering.cluster_layer(sim, 3, "kmeans", seed=0, usage=usage, usage_weighted=True)
     plain = clustering.cluster_layer(sim, 3, "kmeans", seed=0)
     points = clustering.embedding(sim)
@@ -182,7 +184,7 @@ def _numpy_layer(outputs_, logits, bias, subset, topk, sigmoid):
 
 @pytest.mark.parametrize("sigmoid", [False, True])
 def test_reconstruction_selection_equals_numpy_search(monkeypatch, sigmoid):
-    from mindspeed_proxy.proxy import reconstruction
+    from mindspeed_proxy.proxy.select import reconstruction
 
     rng = np.random.default_rng(5 + sigmoid)
     t, e, h = 40, 6, 5

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from mindspeed_proxy.proxy import clustering
+from mindspeed_proxy.proxy.select import clustering
 from mindspeed_proxy.proxy.cli import main
 
 

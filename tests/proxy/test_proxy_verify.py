@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_proxy.proxy import pages
-from mindspeed_proxy.proxy.errors import ConversionError
-from mindspeed_proxy.proxy.plan import Options, make_plan
+from mindspeed_proxy.proxy.io import pages
+from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.options import Options
+from mindspeed_proxy.proxy.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,8 +37,8 @@ def _flip_byte(path, offset):
 
 def test_legacy_verification_refuses_wrong_expert_and_flipped_byte(checkpoints, tmp_path):
     from mindspeed_proxy.proxy.convert import convert
-    from mindspeed_proxy.proxy.legacy_io import LegacyCheckpoint
-    from mindspeed_proxy.proxy.verify import verify_legacy
+    from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
+    from mindspeed_proxy.proxy.verify.legacy import verify_legacy
 
     src, out = checkpoints("ep2_bias"), str(tmp_path / "proxy")
     options = Options(target_ep=1, target_k=4)
@@ -45,7 +46,7 @@ def test_legacy_verification_refuses_wrong_expert_and_flipped_byte(checkpoints, 
     assert not os.path.exists(os.path.join(out, ".scratch"))
     # the source digests, taken by the one source pass on background threads, are the plain digests
     # (XXH3-128, or SHA-256 without xxhash) of every source file, under the algorithm's name
-    from mindspeed_proxy.proxy import hashing
+    from mindspeed_proxy.proxy.io import hashing
 
     source = json.load(open(os.path.join(out, "proxy_manifest.json")))["source"]
     recorded = source["digests"]
@@ -79,9 +80,9 @@ def test_legacy_verification_refuses_wrong_expert_and_flipped_byte(checkpoints, 
 
 
 def test_dist_verification_refuses_wrong_expert_and_flipped_byte(dist_checkpoints, tmp_path):
-    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
-    from mindspeed_proxy.proxy.dist_io import DistCheckpoint
-    from mindspeed_proxy.proxy.verify import verify_dist
+    from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader
+    from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
+    from mindspeed_proxy.proxy.verify.dist import verify_dist
 
     src, out = dist_checkpoints("ep2_bias"), str(tmp_path / "proxy")
     run = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out,
@@ -150,7 +151,7 @@ def test_equal_in_blocks_reads_mapped_files_without_touching_the_mappings(tmp_pa
     """Two tensors memory-mapped from registered files are compared by pread, block by block: equal ones
     pass with none of their pages resident, a byte changed in a later block (or a slice starting elsewhere)
     fails."""
-    from mindspeed_proxy.proxy.verify import equal_in_blocks
+    from mindspeed_proxy.proxy.verify.common import equal_in_blocks
 
     data = torch.randn(3 << 18, generator=torch.Generator().manual_seed(0))  # 3 MiB
     paths = [tmp_path / "a.pt", tmp_path / "b.pt"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_proxy.proxy import output_guard
+from mindspeed_proxy.proxy.io import output_guard
 from mindspeed_proxy.proxy.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_workers_write_bit_identical_legacy_proxies_verified_from_digests(checkp
         m.pop("created")
     assert manifests[0] == manifests[1]
     counts = manifests[0]["verification"]
-    from mindspeed_proxy.proxy.legacy_io import RecordingWriter
+    from mindspeed_proxy.proxy.io.legacy.writer import RecordingWriter
 
     tensors = [(k, v) for p in one if p.endswith(".pt")
                for k, v in torch.load(os.path.join(outs[1], p), mmap=True, weights_only=False)["model"].items()
@@ -78,9 +78,10 @@ def test_corrupted_written_byte_caught_from_digests(checkpoints, tmp_path, monke
     """A writer that puts one wrong byte into a kept expert: the written record's digest differs from the
     source record's, the conversion is refused in one line and nothing is left; the verifier never re-read
     the expert from the written file to find out."""
-    from mindspeed_proxy.proxy import legacy_io, verify
+    from mindspeed_proxy.proxy.io.legacy import writer as legacy_writer
+    from mindspeed_proxy.proxy.verify import common, legacy
 
-    build = legacy_io.build_rank_state
+    build = legacy_writer.build_rank_state
     hit = []
 
     def corrupt(ckpt, plan, *args, **kwargs):
@@ -95,9 +96,10 @@ def test_corrupted_written_byte_caught_from_digests(checkpoints, tmp_path, monke
         return state
 
     reread = []
-    compare = verify.equal_in_blocks
-    monkeypatch.setattr(legacy_io, "build_rank_state", corrupt)
-    monkeypatch.setattr(verify, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
+    compare = common.equal_in_blocks
+    monkeypatch.setattr(legacy_writer, "build_rank_state", corrupt)
+    for module in (common, legacy):
+        monkeypatch.setattr(module, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
     out = tmp_path / "out"
     assert main(["--load", checkpoints("ep4"), "--save", str(out), *FLAGS, "--workers", "1"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -157,7 +159,7 @@ def test_free_space_precheck_refuses_in_one_line(checkpoints, tmp_path, monkeypa
 def test_disk_full_during_write_is_one_line(checkpoints, tmp_path, monkeypatch, capsys):
     """The pre-check passed but the disk fills while torch.save writes (ENOSPC from the file): torch's
     inline_container error becomes one line, exit 2, nothing left behind."""
-    from mindspeed_proxy.proxy import pages
+    from mindspeed_proxy.proxy.io import pages
 
     written = [0]
     real = pages.DropAfterWrite.write
@@ -169,7 +171,7 @@ def test_disk_full_during_write_is_one_line(checkpoints, tmp_path, monkeypatch, 
         return real(self, data)
 
     monkeypatch.setattr(pages.DropAfterWrite, "write", fill)
-    monkeypatch.setattr("mindspeed_proxy.proxy.legacy_io.RecordingWriter.write", fill)
+    monkeypatch.setattr("mindspeed_proxy.proxy.io.legacy.writer.RecordingWriter.write", fill)
     out = tmp_path / "out"
     assert main(["--load", checkpoints("ep4"), "--save", str(out), *FLAGS, "--workers", "1"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -216,7 +218,7 @@ def test_bench_convert_creates_its_workdir(tmp_path):
 def test_source_pass_digests_every_record_in_one_read(tmp_path, block):
     """The one source pass: each file's digest and each tensor record's digest equal the digests of those
     bytes hashed directly, for records smaller than a block, spanning several blocks, and several per block."""
-    from mindspeed_proxy.proxy import hashing
+    from mindspeed_proxy.proxy.io import hashing
 
     gen = torch.Generator().manual_seed(0)
     paths = []
@@ -240,7 +242,7 @@ def test_source_pass_digests_every_record_in_one_read(tmp_path, block):
 
 def _chunks(folder):
     """{(key, offsets): bytes} of every stored tensor chunk of a torch_dist folder."""
-    from mindspeed_proxy.proxy.dist_chunks import ChunkReader
+    from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader
 
     reader = ChunkReader(folder)
     return {(key, offsets): reader.read(key, offsets).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -269,7 +271,8 @@ def test_dist_workers_same_tensors_verified_from_digests(dist_checkpoints, tmp_p
 
 def test_dist_corrupted_written_byte_caught_from_digests(dist_checkpoints, tmp_path, monkeypatch, capsys):
     """A torch_dist writer that hands DCP one wrong byte in a kept expert chunk: refused, nothing left."""
-    from mindspeed_proxy.proxy import dist_writer, verify
+    from mindspeed_proxy.proxy.io.dist import writer as dist_writer
+    from mindspeed_proxy.proxy.verify import common, dist
 
     expected, hit = dist_writer.expected, []
 
@@ -282,9 +285,10 @@ def test_dist_corrupted_written_byte_caught_from_digests(dist_checkpoints, tmp_p
         return data
 
     reread = []
-    compare = verify.equal_in_blocks
+    compare = common.equal_in_blocks
     monkeypatch.setattr(dist_writer, "expected", corrupt)
-    monkeypatch.setattr(verify, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
+    for module in (common, dist):
+        monkeypatch.setattr(module, "equal_in_blocks", lambda a, b, *r: reread.append(a.nbytes) or compare(a, b, *r))
     out = tmp_path / "out"
     assert main(["--load", dist_checkpoints("ep2_bias"), "--save", str(out), "--target-expert-parallel-size", "1",
                  "--target-num-experts", "4", "--workers", "1"]) == 2

@@ -1,0 +1,1 @@
+"""The calibration forward: the original model run on calibration tokens."""

@@ -1,0 +1,1 @@
+"""Checkpoint formats (legacy, torch_dist, Hugging Face) and the file plumbing they share."""

@@ -1,0 +1,1 @@
+"""torch_dist checkpoints: index, chunk reader, reader and writer."""

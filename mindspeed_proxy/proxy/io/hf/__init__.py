@@ -1,0 +1,1 @@
+"""Hugging Face safetensors checkpoints: layout and reader/writer."""

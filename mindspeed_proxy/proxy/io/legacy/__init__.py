@@ -1,0 +1,1 @@
+"""Legacy (torch) checkpoints: per-rank files and the expert key codecs."""

@@ -1,0 +1,1 @@
+"""Expert selection: similarity, clustering, reconstruction search, merge; pure numpy/torch, no IO."""

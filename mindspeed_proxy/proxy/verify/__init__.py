@@ -1,0 +1,1 @@
+"""Bit-exact verification of a written proxy against its source."""
