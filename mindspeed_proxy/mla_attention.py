@@ -29,6 +29,15 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
+def q_norm_needs_te(qk_layernorm: bool, q_lora_rank) -> bool:
+    """True where megatron-core (0.19+) would fuse MLA's Q norm into linear_q_proj, which needs Transformer Engine
+    (qk_layernorm without q_lora_rank) and Transformer Engine is absent."""
+    import importlib.util
+
+    return bool(qk_layernorm and q_lora_rank is None and importlib.util.find_spec("transformer_engine") is None
+                and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None)
+
+
 def with_mla_core_attention(spec):
     """Return `spec` (a megatron ModuleSpec / submodules tree) with MLA's local DotProductAttention replaced."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules

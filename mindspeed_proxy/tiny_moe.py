@@ -136,10 +136,9 @@ def _legacy_grouped_gemm(cfg: TinyMoEConfig, config_class) -> dict:
 
 def _check_mla_q_norm(cfg: TinyMoEConfig) -> None:
     """megatron-core 0.19 gives MLA without q_lora_rank a Q norm fused into linear_q_proj (TE-only): refuse on CPU."""
-    import importlib.util
+    from mindspeed_proxy.mla_attention import q_norm_needs_te
 
-    if (cfg.qk_layernorm and cfg.q_lora_rank is None and importlib.util.find_spec("transformer_engine") is None
-            and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None):
+    if q_norm_needs_te(cfg.qk_layernorm, cfg.q_lora_rank):
         raise ValueError("multi_latent_attention with qk_layernorm and q_lora_rank=None: this megatron-core (0.19+) "
                          "fuses a Q norm into linear_q_proj, which needs Transformer Engine; set q_lora_rank or "
                          "qk_layernorm=False")

@@ -130,11 +130,13 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     args = build_parser(prog).parse_args(argv)
     from mindspeed_proxy.cli import error
+    from mindspeed_proxy.proxy.io import pages
     from mindspeed_proxy.proxy.convert import convert, default_workers
 
     if args.workers is not None and args.workers < 1:
         return error(prog, f"--workers {args.workers}: must be at least 1")
 
+    pages.pin_mmap_threshold()  # process-wide, so the command sets it, not convert(): staging buffers leave RSS
     try:
         options = options_from_args(args)
         _check_save_features(args, options)

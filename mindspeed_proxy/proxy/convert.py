@@ -10,6 +10,7 @@ from typing import Callable, Optional
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.options import Options
 from mindspeed_proxy.proxy.core.tracker import resolve_iteration
+from mindspeed_proxy.proxy.core import process_state
 from mindspeed_proxy.proxy.io import hashing, output_guard, pages
 from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
 from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
@@ -86,11 +87,12 @@ def convert(load: str, save: Optional[str], options: Options, iteration: Optiona
     if workers < 1:
         raise ConversionError(f"--workers {workers}: must be at least 1")
     check_paths(load, save, overwrite, dry_run)
-    if dry_run:
-        return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
-    with output_guard.OutputLock(save):
-        check_paths(load, save, overwrite, dry_run)  # again under the lock: a finished rival's OUT_DIR counts
-        return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
+    with process_state.preserved():  # the process as found: RNG streams, megatron's RNG tracker, environment
+        if dry_run:
+            return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
+        with output_guard.OutputLock(save):
+            check_paths(load, save, overwrite, dry_run)  # again under the lock: a finished rival's OUT_DIR counts
+            return _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers)
 
 
 def _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, workers):
@@ -111,7 +113,6 @@ def _open_and_convert(load, save, options, iteration, dry_run, echo, fmt, worker
 
 def _convert(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Callable, workers: int = 1):
     pages.register(*ckpt.file_paths())  # source pages read through mmap are dropped once used
-    pages.pin_mmap_threshold()  # staging buffers leave RSS when freed
     # every source byte is read once, by this pass (whole-file digests; legacy: every tensor record's too)
     hasher = None if dry_run else hashing.SourcePass(ckpt.file_paths(), records=_record_spans(ckpt))
     try:

@@ -160,7 +160,7 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
             raise ConversionError("--features outputs needs --calibration-data PATH (an indexed dataset prefix, "
                                   "or a .npy / .pt file of token ids [N, S])")
         args = ckpt.args
-        cfg = model_config_from_args(args)  # refuse an unsupported model before reading any data
+        cfg = model_config_from_args(args, ckpt.format)  # refuse an unsupported model before reading any data
         calib = read_calibration(options.calibration_data, int(args.seq_length), cfg.vocab_size,
                                  options.calibration_sequences)
         saliency, sample, sequential = {}, None, None

@@ -187,6 +187,11 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
     args.swiglu = True
     args.transformer_impl = "local"
     args.moe_use_legacy_grouped_gemm = args.moe_grouped_gemm
+    # what tiny_moe fixes, recorded so the converter's calibration forward rebuilds this model from args alone
+    args.moe_router_dtype = "fp32"
+    args.moe_router_load_balancing_type = "aux_loss" if args.moe_aux_loss_coeff else "none"
+    args.kv_channels = args.v_head_dim if args.multi_latent_attention else args.hidden_size // args.num_attention_heads
+    args.rotary_scaling_factor = 1.0
     args.moe_router_num_groups = None
     args.moe_tp_extend_ep = False
     args.max_position_embeddings = args.seq_length

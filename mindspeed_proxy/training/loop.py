@@ -62,9 +62,10 @@ def _jsonable(value):
 def init_distributed(args) -> None:
     """Activate the platform, start the process group, check the world and initialise parallel_state.
 
-    Sets `args.owns_process_group` when this call started the group (`finish_distributed` then ends it)."""
-    from mindspeed_proxy import platform
-    from mindspeed_proxy.testing.parallel import init_parallel
+    Sets `args.owns_process_group` / `args.owns_parallel_state` when this call started the group / the
+    model-parallel groups (`finish_distributed` then ends them); an existing parallel_state of the same layout is
+    reused, one of another layout refused (ArgumentError)."""
+    from mindspeed_proxy import parallel, platform
 
     args.owns_process_group = not torch.distributed.is_initialized()
     platform.activate(args.device)
@@ -78,14 +79,26 @@ def init_distributed(args) -> None:
         torch.distributed.init_process_group(platform.distributed_backend(), store=store,
                                              rank=int(os.environ.get("RANK", "0")), world_size=world)
     A.validate_world(args, torch.distributed.get_world_size())
-    init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                  ep=args.expert_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
-                  seed=args.seed)
+    try:
+        state = parallel.setup(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                               ep=args.expert_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+                               seed=args.seed)
+    except parallel.ParallelSetupError as exc:
+        raise A.ArgumentError(str(exc)) from None
+    args.owns_parallel_state = state.owned
 
 
 def finish_distributed(args) -> None:
-    """End a process group `init_distributed` started: all ranks meet first, then it goes (a gloo rank whose
-    peer has already exited can abort at interpreter exit with "terminate called without an active exception")."""
+    """End the model-parallel groups and the process group `init_distributed` started: all ranks meet first, then
+    they go (a gloo rank whose peer has already exited can abort at interpreter exit with "terminate called without
+    an active exception")."""
+    if getattr(args, "owns_parallel_state", False):
+        from megatron.core import parallel_state as ps
+
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        ps.destroy_model_parallel()
+        args.owns_parallel_state = False
     if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -91,6 +91,10 @@ def build(args):
     config = transformer_config(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                       qk_l2_norm=getattr(args, "qk_l2_norm", False))
+    if config.multi_latent_attention:  # the local DotProductAttention cannot take MLA's q/k and value head dims
+        from mindspeed_proxy.mla_attention import with_mla_core_attention
+
+        spec = with_mla_core_attention(spec)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                    max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                    fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False), parallel_output=True,

@@ -2,9 +2,9 @@
 `--representative saliency`, `--selection reconstruction`).
 
 The original model is built once at TP = PP = EP = 1 (world-1 gloo group, CPU platform layer when torch has
-no accelerator) from the checkpoint's args, with all E experts: args written by Megatron-LM go through
-`args_model` (megatron-core's TransformerConfig and local block spec from the args' own fields, as
-Megatron-LM builds it), args of our trainer through its builder (`mindspeed_proxy.tiny_moe`); it is loaded
+no accelerator) from the checkpoint's args, with all E experts, by `calibrate/model.py` (megatron-core's
+TransformerConfig and local block spec from the args' own fields, as Megatron-LM builds it, for args of
+Megatron-LM and of our trainer alike); it is loaded
 with strict key checking: torch_dist through megatron's `dist_checkpointing.load` (which reshards any
 source TP/PP/EP), legacy by merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy
 TP shards do not reshard, so legacy needs TP = 1).
@@ -34,45 +34,12 @@ CHUNK_ELEMENTS = 1 << 24  # tokens x experts x hidden per expert call (64 MiB in
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def _unsupported(args) -> list:
-    rules = [("normalization", "RMSNorm"), ("position_embedding_type", "rope"), ("transformer_impl", "local"),
-             ("swiglu", True), ("add_bias_linear", False), ("multi_latent_attention", False),
-             ("untie_embeddings_and_output_weights", True), ("moe_tp_extend_ep", False)]
-    bad = []
-    for name, wanted in rules:
-        if hasattr(args, name):
-            value = getattr(args, name)
-            if (bool(value) != wanted) if isinstance(wanted, bool) else (value != wanted):
-                bad.append(f"{name}={value!r}")
-    return bad
+def model_config_from_args(args, checkpoint_format=None):
+    """The original model's megatron-core TransformerConfig at EP = 1 (with vocab_size), from the checkpoint's own
+    args (calibrate/model.py); ConversionError if this process cannot build it."""
+    from mindspeed_proxy.proxy.calibrate import model as calibration_model
 
-
-def model_config_from_args(args):
-    """The original model's config at EP = 1, from the checkpoint's args: megatron-core's TransformerConfig
-    for Megatron-LM's args (args_model), else the trainer's TinyMoEConfig; ConversionError if unsupported.
-    Either has vocab_size and hidden_size."""
-    from mindspeed_proxy.proxy.calibrate import args_model
-    from mindspeed_proxy.training.arguments import model_config
-
-    if args_model.from_megatron_lm(args):
-        config = args_model.transformer_config(args)
-        config.vocab_size = args.padded_vocab_size
-        return config
-
-    bad = _unsupported(args)
-    if bad:
-        raise ConversionError(f"--features outputs: the built-in model builder cannot run this checkpoint "
-                              f"({', '.join(bad)}); collect features during training and pass --features FILE")
-    try:
-        cfg = model_config(args)
-    except AttributeError as exc:
-        raise ConversionError(f"--features outputs: the checkpoint's args lack a model field ({exc}); "
-                              "pass --features FILE") from None
-    extra = {k: getattr(args, k) for k in ("moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax",
-                                           "moe_router_topk_scaling_factor") if getattr(args, k, None) is not None}
-    return cfg.replace(vocab_size=getattr(args, "padded_vocab_size", None) or cfg.vocab_size,
-                       sequence_parallel=False, qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
-                       extra={**extra, "perform_initialization": False})
+    return calibration_model.model_config(args, checkpoint_format)
 
 
 def _renumber(key: str, offset: int) -> str:
@@ -143,10 +110,9 @@ def _load(model, ckpt) -> None:
         state = state["model"]
     else:
         from mindspeed_proxy.proxy.calibrate import args_model
+        from mindspeed_proxy.proxy.calibrate import model as calibration_model
 
-        state = legacy_state(ckpt)
-        if args_model.from_megatron_lm(ckpt.args):
-            state = args_model.tied_output(ckpt.args, state)
+        state = args_model.tied_output(calibration_model.model_args(ckpt.args), legacy_state(ckpt))
         _check_fits(sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor)))
     try:
         model.load_state_dict(state, strict=True)
@@ -255,7 +221,7 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
     (layer, sample) -> (kept, info) is called by `sequential_pass` and whose "kept" it fills."""
     from mindspeed_proxy import platform
 
-    cfg = model_config_from_args(ckpt.args)
+    cfg = model_config_from_args(ckpt.args, ckpt.format)
     if any(layer.global_layer is None for layer in ckpt.layers):
         raise ConversionError("--features outputs: the checkpoint's layer numbering is not understood")
     with platform.activated(platform.current() or ("cuda" if torch.cuda.is_available() else "cpu")):
@@ -267,9 +233,8 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
     from megatron.core import parallel_state as ps
 
     from mindspeed_proxy import platform
-    from mindspeed_proxy.proxy.calibrate import args_model
+    from mindspeed_proxy.proxy.calibrate import model as calibration_model
     from mindspeed_proxy.proxy.io.dist.group import close_group, ensure_group
-    from mindspeed_proxy.tiny_moe import build_model
 
     created = not dist.is_initialized()
     ensure_group()
@@ -277,11 +242,7 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if args_model.from_megatron_lm(ckpt.args):
-                model, gpt = args_model.build(ckpt.args)
-            else:
-                model = build_model(cfg)
-                gpt = getattr(model, "module", model)
+            model, gpt = calibration_model.build(ckpt.args, ckpt.format)
         _load(gpt, ckpt)
         ckpt.release()
         device = platform.device()
