@@ -5,7 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.options import Options
@@ -151,29 +151,7 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     parent, base = os.path.split(os.path.abspath(save))
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
-        if ckpt.format == "hf":
-            from mindspeed_proxy.proxy.io.hf.checkpoint import write_hf
-            from mindspeed_proxy.proxy.verify.hf import verify_hf
-
-            write_hf(ckpt, plan, tmp)
-            pages.trim_heap()
-            verification = verify_hf(ckpt, plan, tmp)
-        elif ckpt.format == "torch_dist":
-            from mindspeed_proxy.proxy.io.dist.writer import write_dist
-            from mindspeed_proxy.proxy.verify.common import StreamCompare
-            from mindspeed_proxy.proxy.verify.dist import verify_dist
-
-            written: dict = {}
-            write_dist(ckpt, plan, plan.new_args, tmp, workers=workers, digests=written)
-            pages.trim_heap()
-            verification = verify_dist(ckpt, plan, tmp, StreamCompare(written, hasher))
-        else:
-            from mindspeed_proxy.proxy.verify.common import StreamCompare
-
-            written = write_legacy(ckpt, plan, plan.target, plan.new_args, tmp, workers=workers)
-            pages.trim_heap()
-            hasher.result()  # the source records' digests, compared with the written records' digests
-            verification = verify_legacy(ckpt, plan, tmp, StreamCompare(written, hasher))
+        verification = WRITE_AND_VERIFY[ckpt.format](ckpt, plan, tmp, hasher, workers)
         write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
         if os.path.exists(save):
             shutil.rmtree(save)
@@ -196,6 +174,45 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
          f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")
     return plan
+
+
+class WriteAndVerify(Protocol):
+    """One format's writer and verifier: write the proxy of `plan` under `out`, verify it, return the verification summary."""
+
+    def __call__(self, ckpt, plan, out: str, hasher, workers: int) -> dict: ...
+
+
+def _write_hf(ckpt, plan, out: str, hasher, workers: int) -> dict:
+    from mindspeed_proxy.proxy.io.hf.checkpoint import write_hf
+    from mindspeed_proxy.proxy.verify.hf import verify_hf
+
+    write_hf(ckpt, plan, out)
+    pages.trim_heap()
+    return verify_hf(ckpt, plan, out)
+
+
+def _write_dist(ckpt, plan, out: str, hasher, workers: int) -> dict:
+    from mindspeed_proxy.proxy.io.dist.writer import write_dist
+    from mindspeed_proxy.proxy.verify.common import StreamCompare
+    from mindspeed_proxy.proxy.verify.dist import verify_dist
+
+    written: dict = {}
+    write_dist(ckpt, plan, plan.new_args, out, workers=workers, digests=written)
+    pages.trim_heap()
+    return verify_dist(ckpt, plan, out, StreamCompare(written, hasher))
+
+
+def _write_legacy(ckpt, plan, out: str, hasher, workers: int) -> dict:
+    from mindspeed_proxy.proxy.verify.common import StreamCompare
+
+    written = write_legacy(ckpt, plan, plan.target, plan.new_args, out, workers=workers)
+    pages.trim_heap()
+    hasher.result()  # the source records' digests, compared with the written records' digests
+    return verify_legacy(ckpt, plan, out, StreamCompare(written, hasher))
+
+
+# the writer of each source format (SourceCheckpoint.format), chosen once by the reader that opened it
+WRITE_AND_VERIFY: dict[str, WriteAndVerify] = {"hf": _write_hf, "torch_dist": _write_dist, "torch": _write_legacy}
 
 
 def _broken_pool(exc: BaseException) -> bool:

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError, read_json_object
 from mindspeed_proxy.proxy.io.hf import layout as hf_layout
 
 
@@ -103,14 +102,7 @@ def from_hf_config(config: dict, where: str) -> ModelSpec:
 def read_hf_config(path: str) -> ModelSpec:
     """ModelSpec of a config.json file, or of the config.json inside folder `path`."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"--hf-config {path}: cannot read JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"--hf-config {path}: not a JSON object")
-    return from_hf_config(config, file)
+    return from_hf_config(read_json_object(file, f"--hf-config {path}"), file)
 
 
 def moe_pattern(value, num_layers: int, where: str) -> tuple:

@@ -8,7 +8,7 @@ import numpy as np
 
 from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, output_features
 from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
-from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError, read_json_object
 from mindspeed_proxy.proxy.core.layout import check_k, check_target_ep, target_layout
 from mindspeed_proxy.proxy.core.options import Options
 from mindspeed_proxy.proxy.core.plan_types import Plan, rules_from_args
@@ -190,15 +190,7 @@ def _gather_inputs(ckpt, options: Options, plan: Plan) -> dict:
 
 def read_usage(path: str, layers, num_experts: int) -> dict:
     """{LayerRef: counts} from a JSON file {"<global layer>": [tokens routed to each global expert]}."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"--usage-file {path}: cannot read JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ConversionError(f"--usage-file {path}: expected an object {{layer: [count per expert]}}")
+    raw = read_json_object(path, f"--usage-file {path}", "an object {layer: [count per expert]}")
     out = {}
     for layer in layers:
         counts = raw.get(str(layer.global_layer))

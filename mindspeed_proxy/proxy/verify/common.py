@@ -22,6 +22,18 @@ def _fail(path: str, what: str) -> None:
     raise ConversionError(f"verification failed: {path}: {what}")
 
 
+def check_args(path: str, args, plan, source_args) -> None:
+    """The proxy's saved args: the target layout's four counts, every other source arg unchanged unless planned."""
+    tgt = plan.target
+    for name, value in (("num_experts", tgt.num_experts), ("expert_model_parallel_size", tgt.ep),
+                        ("world_size", tgt.world_size), ("data_parallel_size", tgt.dp)):
+        if getattr(args, name, None) != value:
+            _fail(path, f"args.{name} = {getattr(args, name, None)}, expected {value}")
+    for name, value in vars(source_args).items():
+        if name not in plan.args_diff and getattr(args, name, None) != value:
+            _fail(path, f"args.{name} changed from {value!r} to {getattr(args, name, None)!r}")
+
+
 class StreamCompare:
     """Tensor equality from digests, without re-reading the written file: the proxy tensor's bytes are
     located in its file (mmap, nothing touched) and matched to the digest of that written record

@@ -11,7 +11,7 @@ from mindspeed_proxy.proxy.io.dist.common import KEPT_COMMON
 from mindspeed_proxy.proxy.io.dist.index import DistIndex, read_regions
 from mindspeed_proxy.proxy.io.dist.writer import proxy_objects
 from mindspeed_proxy.proxy.select.policy import kept_fields
-from mindspeed_proxy.proxy.verify.common import StreamCompare, _fail, _numel, _same_object, bit_equal, equal_in_blocks
+from mindspeed_proxy.proxy.verify.common import StreamCompare, _fail, check_args, _numel, _same_object, bit_equal, equal_in_blocks
 
 
 def verify_dist(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
@@ -90,18 +90,11 @@ def _verify_chunks(plan, folder, key, want_shape, layers, got_reader, src_reader
 
 
 def _verify_common(ckpt, plan, folder, common) -> None:
-    tgt, source = plan.target, ckpt.index.common
+    source = ckpt.index.common
     wanted = {k for k in kept_fields(KEPT_COMMON, plan.options) if k in source}
     if set(common) != wanted:
         _fail(folder, f"common.pt keys {sorted(common)}, expected {sorted(wanted)}")
-    args = common["args"]
-    for name, value in (("num_experts", tgt.num_experts), ("expert_model_parallel_size", tgt.ep),
-                        ("world_size", tgt.world_size), ("data_parallel_size", tgt.dp)):
-        if getattr(args, name, None) != value:
-            _fail(folder, f"args.{name} = {getattr(args, name, None)}, expected {value}")
-    for name, value in vars(ckpt.args).items():
-        if name not in plan.args_diff and getattr(args, name, None) != value:
-            _fail(folder, f"args.{name} changed from {value!r} to {getattr(args, name, None)!r}")
+    check_args(folder, common["args"], plan, ckpt.args)
     for name in wanted - {"args"}:
         if not bit_equal(common[name], source[name]):
             _fail(folder, f"common {name} differs from the source")

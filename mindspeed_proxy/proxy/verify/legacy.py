@@ -12,7 +12,7 @@ from mindspeed_proxy.proxy.io.legacy.reader import FILE, rank_dir_name
 from mindspeed_proxy.proxy.io.legacy.writer import KEPT_FIELDS
 from mindspeed_proxy.proxy.select import merge
 from mindspeed_proxy.proxy.select.policy import kept_fields
-from mindspeed_proxy.proxy.verify.common import StreamCompare, _fail, bit_equal, equal_in_blocks
+from mindspeed_proxy.proxy.verify.common import StreamCompare, _fail, check_args, bit_equal, equal_in_blocks
 
 
 def verify_legacy(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict:
@@ -21,7 +21,7 @@ def verify_legacy(ckpt, plan, out_root: str, stream: StreamCompare = None) -> di
     counts of what was checked. With `stream` (the conversion's written-record and source digests) large
     tensors are compared by digest instead of re-reading the written bytes."""
     same = stream if stream is not None else equal_in_blocks
-    src, tgt = plan.source, plan.target
+    tgt = plan.target
     folder = os.path.join(out_root, iteration_dir_name(ckpt.iteration))
     expected_dirs = {rank_dir_name(t, p, e, tgt) for t in range(tgt.tp) for p in range(tgt.pp) for e in range(tgt.ep)}
     if set(os.listdir(folder)) != expected_dirs:
@@ -55,14 +55,7 @@ def _verify_file(ckpt, plan, path, state, tp, pp, ep, counts, same=None) -> None
     wanted = {k for k in kept_fields(KEPT_FIELDS, plan.options) if k in source} | set(ckpt.chunks)
     if set(state) != wanted:
         _fail(path, f"top-level keys {sorted(state)}, expected {sorted(wanted)}")
-    args = state["args"]
-    for name, value in (("num_experts", tgt.num_experts), ("expert_model_parallel_size", tgt.ep),
-                        ("world_size", tgt.world_size), ("data_parallel_size", tgt.dp)):
-        if getattr(args, name, None) != value:
-            _fail(path, f"args.{name} = {getattr(args, name, None)}, expected {value}")
-    for name, value in vars(ckpt.args).items():
-        if name not in plan.args_diff and getattr(args, name, None) != value:
-            _fail(path, f"args.{name} changed from {value!r} to {getattr(args, name, None)!r}")
+    check_args(path, state["args"], plan, ckpt.args)
     if state["iteration"] != source.get("iteration"):
         _fail(path, f"iteration {state['iteration']} != source {source.get('iteration')}")
     for chunk in ckpt.chunks:

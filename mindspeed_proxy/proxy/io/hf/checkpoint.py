@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.errors import ConversionError, read_json_object
 from mindspeed_proxy.proxy.core.layout import Layout
 from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.io import pages
@@ -49,14 +49,7 @@ def check_options(options, iteration) -> None:
 
 
 def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            value = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{path}: cannot read {what} ({type(exc).__name__}: {exc})") from None
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path}: {what} is not a JSON object")
-    return value
+    return read_json_object(path, f"{path} ({what})")
 
 
 class HFCheckpoint:
