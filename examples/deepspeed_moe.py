@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 VOCAB, SEQ, MICRO, LR = 64, 32, 4, 3e-3
 RUNS = ("healthy", "router-fault", "original", "proxy")
 ROUTER_FAULT_LR = 10.0
+SEED = [0]  # --seed: the model's initialisation and the data; 0 is the one the thresholds were chosen on
 
 
 def monitor_block(run_dir: str) -> dict:
@@ -52,7 +53,7 @@ def ds_config(run_dir: str) -> dict:
 
 
 def tiny_model():
-    """A 2-layer Qwen3-MoE (4 query heads on 2 KV heads, q/k norms, 8 experts top-2), seed 0."""
+    """A 2-layer Qwen3-MoE (4 query heads on 2 KV heads, q/k norms, 8 experts top-2), initialised from --seed."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -60,7 +61,7 @@ def tiny_model():
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
                          attn_implementation="eager", tie_word_embeddings=False)
-    torch.manual_seed(0)
+    torch.manual_seed(SEED[0])
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # transformers starts the gate at zero: give the router something to route with
         for layer in model.model.layers:
@@ -72,7 +73,7 @@ def batch(step: int, rank: int):
     """Counting sequences x, x+s, x+2s, ... mod VOCAB (start and stride per row): learnable in a few steps."""
     import torch
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
+    g = torch.Generator().manual_seed(1000 * step + rank + 1_000_003 * SEED[0])
     start = torch.randint(0, VOCAB, (MICRO, 1), generator=g)
     stride = torch.randint(1, 4, (MICRO, 1), generator=g)
     return (start + stride * torch.arange(SEQ)) % VOCAB
@@ -168,8 +169,9 @@ def grpo_steps(engine, monitor, steps: int, group: int = 4, prompt: int = 4, res
     return records
 
 
-def rank_job(work_dir: str, steps: int, fault_step: int, grpo: int) -> dict:
+def rank_job(work_dir: str, steps: int, fault_step: int, grpo: int, seed: int = 0) -> dict:
     """Every phase on this rank (run by `run_distributed`, 2 ranks); returns what rank 0 reports."""
+    SEED[0] = seed
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -238,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="12 steps, 1 GRPO step: a smoke run")
     p.add_argument("--steps", type=int, default=None, help="steps per training run (default 60, quick 12)")
     p.add_argument("--fault-step", type=int, default=None, help="the router LR ×10 from this step (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data (default 0, on which the "
+                   "monitor block's thresholds were chosen; other seeds are held-out runs)")
     args = p.parse_args(argv)
     steps = args.steps or (12 if args.quick else 60)
     fault_step = args.fault_step or (6 if args.quick else 30)
@@ -250,7 +254,8 @@ def main(argv=None) -> int:
     from mindspeed_proxy.cli import main as cli_main
     from mindspeed_proxy.testing import run_distributed
 
-    out = run_distributed(rank_job, 2, args.work_dir, steps, fault_step, 1 if args.quick else 4, timeout=900)[0]
+    out = run_distributed(rank_job, 2, args.work_dir, steps, fault_step, 1 if args.quick else 4, args.seed,
+                          timeout=900)[0]
     if out.get("convert", {}).get("rc"):
         print(f"deepspeed_moe: convert_to_proxy.py failed:\n{out['convert']['tail']}", file=sys.stderr)
         return 1
