@@ -210,7 +210,9 @@ def test_unbuildable_option_refused_in_one_line(tmp_path, capsys):
     from mindspeed_proxy.proxy.core.errors import ConversionError
 
     args = megatron_lm_args("dense_first")
-    args.moe_grouped_gemm = True
+    args.moe_grouped_gemm, args.bf16 = True, True
+    calibration_model.model_config(args, "torch_dist")  # local impl: the legacy GroupedMLP it trained builds here
+    args.transformer_impl = "transformer_engine"  # trained with TEGroupedMLP, which needs Transformer Engine
     with pytest.raises(ConversionError, match=r"moe_grouped_gemm=True") as info:
         calibration_model.model_config(args, "torch_dist")
     assert "\n" not in str(info.value)

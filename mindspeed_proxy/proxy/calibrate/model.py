@@ -66,10 +66,18 @@ def check_buildable(args, checkpoint_format: str | None = None) -> None:
     for option in ("fp8", "fp4"):
         if getattr(args, option, None) and not have_te:
             _refuse(option, getattr(args, option), "needs Transformer Engine")
-    legacy_gemm = "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)}
-    if getattr(args, "moe_grouped_gemm", False) and not (legacy_gemm and getattr(args, "moe_use_legacy_grouped_gemm",
-                                                                               False)):
-        _refuse("moe_grouped_gemm", True, "the TE grouped GEMM; only the legacy GroupedMLP builds without it")
+    if getattr(args, "moe_grouped_gemm", False):
+        # the builder's local spec gives megatron-core's legacy GroupedMLP for a grouped GEMM, which is what a
+        # local-impl run trained (Megatron-LM with --transformer-impl local, our trainer); a TE run trained
+        # TEGroupedMLP, which is not built here
+        legacy_gemm = "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)}
+        local = getattr(args, "transformer_impl", "local") == "local" or \
+            (legacy_gemm and getattr(args, "moe_use_legacy_grouped_gemm", False))
+        from megatron.core.transformer.moe import experts
+
+        if not (local and hasattr(experts, "GroupedMLP")):
+            _refuse("moe_grouped_gemm", True, "the TE grouped GEMM; only the legacy GroupedMLP of a "
+                    "--transformer-impl local run builds without Transformer Engine")
     if getattr(args, "multi_latent_attention", False):
         if getattr(args, "rope_type", None) == "yarn" and not torch.cuda.is_available():
             _refuse("rope_type", "yarn", "megatron-core's YaRN cache needs an accelerator")
