@@ -32,8 +32,10 @@ setup(
                  "import-linter", "deepspeed==0.19.8"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
-        "report": ["matplotlib", "markdown-it-py"],
+        # scipy: `compare`'s Pearson/Spearman
+        "report": ["matplotlib", "markdown-it-py", "scipy"],
         "npu": ["torch_npu"],
+        "yaml": ["pyyaml"],  # YAML monitor configs and `calibrate --out X.yaml` (JSON needs nothing)
         # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)
         "proxy": ["scipy", "scikit-learn", "tqdm", "xxhash"],
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);

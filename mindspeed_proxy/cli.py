@@ -70,7 +70,12 @@ def main(argv=None) -> int:
     if entry is None:
         _usage(table, prog)
         return 0 if rest and rest[0] in ("-h", "--help") else 2
-    return entry(rest) or 0
+    from mindspeed_proxy.extras import MissingExtra
+
+    try:
+        return entry(rest) or 0
+    except MissingExtra as exc:
+        return error(prog, exc)
 
 
 if __name__ == "__main__":
