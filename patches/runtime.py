@@ -1,6 +1,7 @@
 """Process-wide state the patched Megatron functions read: the monitor config, the active monitor, the step."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 
@@ -53,6 +54,16 @@ class MonitorRuntime:
         if self.monitor is not None:
             self.monitor.close()
         self.__init__()
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Tell the patched router hooks and faults which pass runs (rollout / recompute / train)."""
+    previous, RUNTIME.phase = RUNTIME.phase, name
+    try:
+        yield
+    finally:
+        RUNTIME.phase = previous
 
 
 def megatron_lm_args():

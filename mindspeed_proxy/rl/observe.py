@@ -113,7 +113,7 @@ class RolloutObserver:
 
     def _gap(self, step, model, input_ids, mask, rollout_logp, rollout_idx, rollout_probs, temperature,
              micro_batch, replays) -> dict:
-        from mindspeed_proxy.rl.train import phase
+        from mindspeed_proxy.patches.runtime import phase
 
         rows = G.sample_rows(input_ids.shape[0], self.gap_samples, self.seed, step)
         prompt_length = input_ids.shape[1] - mask.shape[1]
