@@ -14,8 +14,13 @@ megatron-core passes:
   query i (0-based) sees keys j <= i + seqlen_k - seqlen_q. A query row that sees no key gives 0.
 - `softmax_scale` defaults to head_dim ** -0.5.
 
+- `window_size=(left, right)` (sliding window, -1 = unbounded): query i sees keys in
+  [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; causal sets right to 0.
+- The log-sum-exp of the scaled scores (megatron-core 0.19 asks for it with attention sinks) is
+  returned as flash-attn does, +inf for a row that sees no key.
+
 Arithmetic is done in float32 (float64 for float64 inputs) and the result has q's dtype. Dropout,
-windows, ALiBi, softcap, rotary and in-place cache appends are not implemented: asking for them raises.
+ALiBi, softcap, rotary and in-place cache appends are not implemented: asking for them raises.
 """
 from __future__ import annotations
 
@@ -72,29 +77,35 @@ def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: torch.Tensor, k_len: torch.Tensor,
-            softmax_scale: float, causal: bool) -> torch.Tensor:
-    """Masked attention of padded q [B, Sq, h, d] over padded k, v [B, Sk, hk, d]; returns [B, Sq, h, d]."""
+            softmax_scale: float, causal: bool, window_size=(-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention of padded q [B, Sq, h, d] over padded k, v [B, Sk, hk, d]: (out [B, Sq, h, d],
+    log-sum-exp of the scaled scores [B, h, Sq], +inf where a row sees no key, as flash-attn writes it)."""
     batch, sq, heads, dim = q.shape
     sk, heads_k = k.shape[1], k.shape[2]
     group = heads // heads_k
     dtype = _compute_dtype(q.dtype)
     qg = q.to(dtype).reshape(batch, sq, heads_k, group, dim)
     scores = torch.einsum("bqkgd,bskd->bkgqs", qg, k.to(dtype)) * softmax_scale
-    j = torch.arange(sk)
-    allowed = (j[None, :] < k_len[:, None])[:, None, :]  # [B, 1, Sk]
+    i, j = torch.arange(sq)[None, :, None], torch.arange(sk)[None, None, :]
+    diagonal = i + (k_len - q_len)[:, None, None]  # the key a query is aligned with (bottom-right)
+    left, right = window_size
+    allowed = j < k_len[:, None, None]  # [B, Sq, Sk]
     if causal:
-        i = torch.arange(sq)
-        shift = (k_len - q_len)[:, None, None]
-        allowed = allowed & (j[None, None, :] <= i[None, :, None] + shift)  # [B, Sq, Sk]
-    allowed = allowed[:, None, None]  # [B, 1, 1, Sq|1, Sk]
+        right = 0  # flash-attn: causal is the window (left, 0)
+    if right >= 0:
+        allowed = allowed & (j <= diagonal + right)
+    if left >= 0:
+        allowed = allowed & (j >= diagonal - left)
+    allowed = allowed[:, None, None]  # [B, 1, 1, Sq, Sk]
     scores = scores.masked_fill(~allowed, float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, peak.new_zeros(()))
     weights = torch.exp(scores - peak)
     total = weights.sum(dim=-1, keepdim=True)
     probs = torch.where(total > 0, weights / total.clamp_min(torch.finfo(dtype).tiny), weights.new_zeros(()))
-    out = torch.einsum("bkgqs,bskd->bqkgd", probs, v.to(dtype))
-    return out.reshape(batch, sq, heads, v.shape[-1])
+    out = torch.einsum("bkgqs,bskd->bqkgd", probs, v.to(dtype)).reshape(batch, sq, heads, v.shape[-1])
+    lse = torch.where(total > 0, peak + torch.log(total), torch.full_like(total, float("inf")))
+    return out, lse.reshape(batch, heads, sq)
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, where: str) -> None:
@@ -102,41 +113,47 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: {q.shape[-2]} query heads are not a multiple of {k.shape[-2]} KV heads")
 
 
+def _window(window_size) -> tuple[int, int]:
+    return (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
-    """flash-attn 2's varlen attention: packed q [total_q, h, d] -> out [total_q, h, d] (paged K/V with block_table)."""
-    _refuse(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-            alibi_slopes=(alibi_slopes, None), return_attn_probs=(return_attn_probs, False))
+    """flash-attn 2's varlen attention: packed q [total_q, h, d] -> out [total_q, h, d] (paged K/V with a
+    block_table); with return_attn_probs, (out, softmax_lse [h, total_q], None): no dropout, so no S_dmask."""
+    _refuse(dropout_p=(dropout_p, 0.0), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes is None, True))
     _check_heads(q, k, "flash_attn_varlen_func")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     q_len, k_len = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
-    if q_len.numel() == 0:
-        return torch.zeros_like(q)
-    sq, sk = int(q_len.max()), int(k_len.max())
-    qp = _pad_packed(q, cu_seqlens_q, q_len, sq)
-    if block_table is None:
-        kp, vp = _pad_packed(k, cu_seqlens_k, k_len, sk), _pad_packed(v, cu_seqlens_k, k_len, sk)
-    else:
-        kp, vp = _pad_paged(k, block_table, k_len, sk), _pad_paged(v, block_table, k_len, sk)
-    out = _attend(qp, kp, vp, q_len, k_len, scale, causal)
-    rows = torch.arange(sq)[None, :] < q_len[:, None]
-    packed = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
-    total = int(q_len.sum())
-    packed[int(cu_seqlens_q[0]):int(cu_seqlens_q[0]) + total] = out[rows].to(q.dtype)
-    return packed
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32)
+    if q_len.numel():
+        sq, sk = int(q_len.max()), int(k_len.max())
+        qp = _pad_packed(q, cu_seqlens_q, q_len, sq)
+        if block_table is None:
+            kp, vp = _pad_packed(k, cu_seqlens_k, k_len, sk), _pad_packed(v, cu_seqlens_k, k_len, sk)
+        else:
+            kp, vp = _pad_paged(k, block_table, k_len, sk), _pad_paged(v, block_table, k_len, sk)
+        padded, padded_lse = _attend(qp, kp, vp, q_len, k_len, scale, causal, _window(window_size))
+        rows = torch.arange(sq)[None, :] < q_len[:, None]
+        first = int(cu_seqlens_q[0])
+        tokens = slice(first, first + int(q_len.sum()))
+        out[tokens] = padded[rows].to(q.dtype)
+        lse[:, tokens] = padded_lse.transpose(1, 2)[rows].t().float()
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """flash-attn 2's attention over a (paged) KV cache: q [B, Sq, h, d] over cache_seqlens keys -> [B, Sq, h, d]."""
+    """flash-attn 2's attention over a (paged) KV cache: q [B, Sq, h, d] over cache_seqlens keys -> out
+    [B, Sq, h, d]; with return_softmax_lse, (out, softmax_lse [B, h, Sq])."""
     _refuse(k=(k is None, True), v=(v is None, True), rotary_cos=(rotary_cos is None, True),
             rotary_sin=(rotary_sin is None, True), cache_batch_idx=(cache_batch_idx is None, True),
-            cache_leftpad=(cache_leftpad is None, True), window_size=(tuple(window_size), (-1, -1)),
-            softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes is None, True),
-            return_softmax_lse=(return_softmax_lse, False))
+            cache_leftpad=(cache_leftpad is None, True), softcap=(softcap, 0.0),
+            alibi_slopes=(alibi_slopes is None, True))
     del num_splits  # how the kernel splits the keys; the result does not depend on it
     _check_heads(q, k_cache, "flash_attn_with_kvcache")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -153,4 +170,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         kp, vp = _pad_paged(k_cache, block_table, k_len, sk), _pad_paged(v_cache, block_table, k_len, sk)
     q_len = torch.full((batch,), sq, dtype=torch.long)
-    return _attend(q, kp, vp, q_len, k_len, scale, causal).to(q.dtype)
+    out, lse = _attend(q, kp, vp, q_len, k_len, scale, causal, _window(window_size))
+    return (out.to(q.dtype), lse.float()) if return_softmax_lse else out.to(q.dtype)

@@ -14,20 +14,26 @@ from mindspeed_proxy.paged_attention import flash_attn_varlen_func, flash_attn_w
 TOL32 = 2e-6
 
 
-def reference(q, k, v, scale, causal):
-    """float64 attention of one sequence: q [Sq, h, d], k/v [Sk, hk, d]; flash-attn's bottom-right causal mask."""
+def reference(q, k, v, scale, causal, window=(-1, -1), with_lse=False):
+    """float64 attention of one sequence: q [Sq, h, d], k/v [Sk, hk, d]; flash-attn's bottom-right causal mask and
+    window [i + Sk - Sq - left, i + Sk - Sq + right]; with_lse: also the log-sum-exp [h, Sq] (+inf: no key)."""
     sq, heads, _ = q.shape
     sk, heads_k, _ = k.shape
     out = torch.zeros(sq, heads, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((heads, sq), float("inf"), dtype=torch.float64)
+    left, right = window
+    right = 0 if causal else right
     for h, i in itertools.product(range(heads), range(sq)):
         g = h // (heads // heads_k)
-        keep = [j for j in range(sk) if not causal or j <= i + sk - sq]
+        diagonal = i + sk - sq
+        keep = [j for j in range(sk) if (right < 0 or j <= diagonal + right) and (left < 0 or j >= diagonal - left)]
         if not keep:
             continue  # "If the row of the mask is all zero, the output will be zero."
         s = torch.stack([q[i, h].double() @ k[j, g].double() for j in keep]) * scale
         p = torch.softmax(s, dim=0)
         out[i, h] = sum(p[n] * v[j, g].double() for n, j in enumerate(keep))
-    return out
+        lse[h, i] = torch.logsumexp(s, dim=0)
+    return (out, lse) if with_lse else out
 
 
 def paged(ks, vs, block_size, seed, extra_blocks=3):
@@ -136,6 +142,31 @@ def test_kvcache_several_queries_contiguous_cache():
     for b, n in enumerate(k_lens):
         want = reference(q[b], k_cache[b, :n], v_cache[b, :n], dim ** -0.5, True)
         assert torch.allclose(out[b].double(), want, atol=TOL32, rtol=0)
+
+
+def test_sliding_window_and_log_sum_exp():
+    """megatron-core 0.19's extra arguments: window_size (sliding window) and the log-sum-exp (attention sinks),
+    varlen with return_attn_probs -> (out, lse [h, total_q], None), kvcache with return_softmax_lse -> lse [B, h, Sq]."""
+    gen = torch.Generator().manual_seed(14)
+    q_lens, k_lens, heads, heads_k, dim, window = [4, 1, 6], [9, 5, 6], 4, 2, 8, (3, -1)
+    qs = sequences(q_lens, heads, dim, gen)
+    ks, vs = sequences(k_lens, heads_k, dim, gen), sequences(k_lens, heads_k, dim, gen)
+    k_cache, v_cache, table = paged(ks, vs, 2, 9)
+    out, lse, dmask = flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu(q_lens), cu(k_lens), 6, 9,
+                                             causal=True, window_size=window, block_table=table,
+                                             return_attn_probs=True)
+    want = [reference(q, k, v, dim ** -0.5, True, window, with_lse=True) for q, k, v in zip(qs, ks, vs)]
+    assert dmask is None and lse.shape == (heads, sum(q_lens))
+    assert torch.allclose(out.double(), torch.cat([w[0] for w in want]), atol=TOL32, rtol=0)
+    assert torch.allclose(lse.double(), torch.cat([w[1] for w in want], dim=1), atol=1e-5, rtol=0)
+    q = torch.randn(2, 1, heads, dim, generator=gen)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(k_lens[:2], dtype=torch.int32),
+                                       block_table=table[:2], causal=True, window_size=window,
+                                       return_softmax_lse=True)
+    for b in range(2):
+        want_out, want_lse = reference(q[b], ks[b], vs[b], dim ** -0.5, True, window, with_lse=True)
+        assert torch.allclose(out[b].double(), want_out, atol=TOL32, rtol=0)
+        assert torch.allclose(lse[b].double(), want_lse, atol=1e-5, rtol=0)
 
 
 def test_bf16_inputs_keep_dtype():
