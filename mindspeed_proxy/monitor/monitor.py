@@ -286,6 +286,9 @@ class MechanismMonitor(SpectralFamilies):
         return alert
 
     def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, relabel=None) -> None:
+        name = self.targets.label  # MTP rows published as `mtp.N`
+        records = {name(layer): r for layer, r in records.items()}
+        per_layer = {m: {name(layer): v for layer, v in layers.items()} for m, layers in per_layer.items()}
         self.last[family] = {"step": iteration, "layers": records}
         series = self.config.detection_series(family, per_layer)
         alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
@@ -339,7 +342,9 @@ class MechanismMonitor(SpectralFamilies):
         if "expert-features" in self.disabled or not self.is_logging_rank:
             return
         try:
-            self._emit(features.write(self.config.output_dir, reduced))
+            # keyed as the converter's FILE inputs name layers: the global decoder layer, or mtp.N
+            self._emit(features.write(self.config.output_dir,
+                                      {self.targets.label(layer): v for layer, v in reduced.items()}))
         except Exception:
             self._fail("expert-features")
             self._report()

@@ -54,6 +54,8 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
                    help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, whose "
                         "megatron-core 0.16 cache needs an accelerator device)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction layers (DeepSeek-V3; megatron's MTP block on the last pipeline stage)")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true", help="fp16 params with dynamic loss scaling")
@@ -124,6 +126,8 @@ def validate_static(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters >= args.train_iters:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --train-iters "
                             f"{args.train_iters}")
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
+        raise ArgumentError(f"--mtp-num-layers {args.mtp_num_layers}: must be at least 1")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 exclude each other")
     if args.moe_grouped_gemm and not args.bf16:
@@ -215,6 +219,7 @@ def model_config(args: argparse.Namespace) -> TinyMoEConfig:
         q_lora_rank=getattr(args, "q_lora_rank", None), kv_lora_rank=getattr(args, "kv_lora_rank", 32),
         qk_head_dim=getattr(args, "qk_head_dim", 16), qk_pos_emb_head_dim=getattr(args, "qk_pos_emb_head_dim", 8),
         v_head_dim=getattr(args, "v_head_dim", 16), rope_type=getattr(args, "rope_type", None) or "rope",
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         bf16=args.bf16, fp16=args.fp16, sequence_parallel=args.sequence_parallel,
         extra=({"virtual_pipeline_model_parallel_size": vpp}
                if (vpp := getattr(args, "virtual_pipeline_model_parallel_size", None)) else {}),

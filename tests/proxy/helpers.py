@@ -13,6 +13,13 @@ CONFIGS = {
     # legacy GroupedMLP (bf16 only in megatron-core); layers 1 and 3 dense (--moe-layer-freq 2)
     "grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--bf16", "--num-layers", "4",
                     "--moe-layer-freq", "2"]),
+    # DeepSeek-V3 shape: a multi-token prediction layer (MoE, on the last stage), sigmoid router with expert bias,
+    # shared expert
+    "mtp": (2, ["--expert-model-parallel-size", "2", "--mtp-num-layers", "1", "--moe-shared-expert-intermediate-size",
+                "32", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]),
+    "mtp_pp2": (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+                    "--moe-router-score-function", "sigmoid"]),
     # PP=2 with two virtual stages (model0/model1 chunks of one layer each), EP=2
     "pp2_vpp": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                     "--num-layers-per-virtual-pipeline-stage", "1"]),
