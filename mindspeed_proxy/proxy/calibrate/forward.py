@@ -108,8 +108,11 @@ def _load(model, ckpt) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # the checkpoint's objects were read safely when it was opened (DistIndex): megatron unpickles none
-            state = dist_records.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder,
-                                      ckpt.trust, ckpt.index.records)
+            try:
+                state = dist_records.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder,
+                                          ckpt.trust, ckpt.index.records)
+            except ValueError as exc:  # an object the model asks for is not in the checkpoint
+                raise ConversionError(f"--features outputs: {exc}") from None
         state = state["model"]
     else:
         from mindspeed_proxy.proxy.calibrate import args_model
