@@ -19,6 +19,7 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
   CP>1 need: `mindspeed_proxy.patches.cpu_parallel` (rows of this feature).
 - megatron-core's dynamic inference engine (flash-attn's paged-KV functions in torch, its sampling
   generator, the triton K/V append): `mindspeed_proxy.patches.cpu_inference` (rows of this feature).
+- YaRN's `with torch.device(current_device())` (MLA's default rope): `mindspeed_proxy.patches.mla_local`.
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches import cpu_inference, cpu_parallel
+from mindspeed_proxy.patches import cpu_inference, cpu_parallel, mla_local
 from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
                                               apply_feature, register, revert_feature)
 
@@ -383,6 +384,9 @@ def _register_all() -> None:
                        description=build.__doc__.strip().splitlines()[0]))
     for target, build, optional, versions in cpu_inference.rows():
         register(Patch(target, build, FEATURE, versions=versions, optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
+    for target, build, optional, gate in mla_local.cpu_rows():
+        register(Patch(target, build, FEATURE, versions=gate, optional=optional,
                        description=build.__doc__.strip().splitlines()[0]))
     megatron_rows = [
         ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),

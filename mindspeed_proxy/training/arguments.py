@@ -52,8 +52,8 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
                    help="MLA decoupled RoPE head dim, one key shared by all heads (Megatron-LM: 64)")
     g.add_argument("--v-head-dim", type=int, default=16, help="MLA value head dim (Megatron-LM: 128)")
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
-                   help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, whose "
-                        "megatron-core 0.16 cache needs an accelerator device)")
+                   help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, which the CPU "
+                        "platform also builds)")
     g.add_argument("--mtp-num-layers", type=int, default=None,
                    help="multi-token prediction layers (DeepSeek-V3; megatron's MTP block on the last pipeline stage)")
     g.add_argument("--seq-length", type=int, default=64)
