@@ -60,10 +60,15 @@ def record_keys(metadata) -> list:
     return sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
 
 
-def read_record(folder: str, metadata, key: str, trust: bool = False):
-    """Record `key` of torch_dist `folder`: its bytes at the place `metadata` gives, unpickled with
-    `weights_only=True` and megatron-core's safe globals (full unpickling only with `trust`)."""
-    info = next((v for k, v in metadata.storage_data.items() if k.fqn == key and k.offset is None), None)
+def _places(metadata) -> dict:
+    """{record key: its storage info (file, offset, length)}; tensor chunks (with offsets) left out."""
+    return {k.fqn: v for k, v in metadata.storage_data.items() if k.offset is None}
+
+
+def read_record(folder: str, metadata, key: str, trust: bool = False, places: Optional[dict] = None):
+    """Record `key` of torch_dist `folder`: its bytes at the place `metadata` gives (`places`: _places of it),
+    unpickled with `weights_only=True` and megatron-core's safe globals (full unpickling only with `trust`)."""
+    info = (_places(metadata) if places is None else places).get(key)
     if info is None:
         raise CheckpointReadError(f"{folder}: .metadata lists the object {key} but not where it is stored")
     if getattr(info, "transform_descriptors", None):
@@ -84,7 +89,8 @@ def read_record(folder: str, metadata, key: str, trust: bool = False):
 def read_records(folder: str, metadata=None, trust: bool = False) -> dict:
     """{key: unpickled value} of every pickled record of torch_dist `folder` (read_record each)."""
     metadata = read_metadata(folder) if metadata is None else metadata
-    return {key: read_record(folder, metadata, key, trust) for key in record_keys(metadata)}
+    places = _places(metadata)
+    return {key: read_record(folder, metadata, key, trust, places) for key in record_keys(metadata)}
 
 
 def read_common(folder: str, metadata=None, trust: bool = False, records: Optional[dict] = None) -> dict:

@@ -6,8 +6,9 @@ no accelerator) from the checkpoint's args, with all E experts, by `calibrate/mo
 TransformerConfig and local block spec from the args' own fields, as Megatron-LM builds it, for args of
 Megatron-LM and of our trainer alike); it is loaded
 with strict key checking: torch_dist through megatron's `dist_checkpointing.load` (which reshards any
-source TP/PP/EP; its objects come from the records read safely, mindspeed_proxy.dist_records), legacy by merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy
-TP shards do not reshard, so legacy needs TP = 1).
+source TP/PP/EP; its objects come from the records read safely, mindspeed_proxy.dist_records), legacy by
+merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy TP shards do not reshard, so
+legacy needs TP = 1).
 During the forward, a pre-hook on every MoE layer takes its input x (after the pre-MLP norm), every expert
 is applied to every token (the layer's experts module called with all tokens for each expert and
 probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
