@@ -29,6 +29,7 @@ Numerics are untouched: every remap changes where a tensor lives or answers a qu
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -204,6 +205,12 @@ def _const(value):
     return lambda _original: (lambda *a, **k: value)
 
 
+def _memory_stats(_original):
+    """No device memory on CPU: every counter of `torch.cuda.memory_stats()` reads 0 (megatron-core's inference
+    engine reads e.g. "allocated_bytes.all.current" when it suspends, resumes or logs a step)."""
+    return lambda device=None: collections.defaultdict(int)
+
+
 def _noop(_original):
     return lambda *a, **k: None
 
@@ -363,7 +370,7 @@ def _register_all() -> None:
         ("synchronize", _noop), ("empty_cache", _noop), ("memory_allocated", _const(0)),
         ("max_memory_allocated", _const(0)), ("memory_reserved", _const(0)),
         ("max_memory_reserved", _const(0)), ("reset_peak_memory_stats", _noop),
-        ("memory_stats", _const({})), ("current_stream", _const(_DEFAULT_STREAM)),
+        ("memory_stats", _memory_stats), ("current_stream", _const(_DEFAULT_STREAM)),
         ("default_stream", _const(_DEFAULT_STREAM)), ("set_stream", _noop),
         ("stream", _stream_ctx), ("Stream", _class(InertStream)), ("Event", _class(InertEvent)),
         ("get_rng_state", _get_rng_state), ("set_rng_state", _set_rng_state),

@@ -3,10 +3,12 @@
 A tiny GPT-MoE (GQA, RoPE) generates greedily through DynamicInferenceContext + GPTInferenceWrapper +
 SimpleTextGenerationController + DynamicInferenceEngine, the objects Megatron-LM's `megatron/rl/inference/megatron.py`
 builds, with a paged KV cache of 8-token blocks and at most 64 tokens a step (megatron pads a step to a multiple of
-64). Requests arrive at different steps and a 75-token prompt is prefilled in two chunks, so the engine runs prefill, mixed prefill+decode (queries after a cached prefix) and decode-only batches,
-i.e. both flash-attn functions of mindspeed_proxy.paged_attention. Each request's generated tokens and log-probs are
+64). Requests arrive at different steps and a 75-token prompt is prefilled in two chunks, so the engine runs
+prefill, mixed prefill+decode (queries after a cached prefix) and decode-only batches, i.e. both flash-attn
+functions of mindspeed_proxy.paged_attention. Each request's generated tokens and log-probs are
 checked against a plain full-sequence GPTModel.forward over prompt + generated tokens (log-softmax gather): the
-tokens must be its argmax and the log-probs agree within 1e-4 (float32; measured differences are ~1e-6).
+tokens must be its argmax and the log-probs agree within 1e-4 (float32; measured differences are ~2e-6).
+The same with EP=2 over 2 gloo ranks is a `slow` test (make test-all).
 """
 import pytest
 import torch
@@ -57,9 +59,10 @@ def _counting(module, name, calls):
     return original
 
 
-def _generate_and_reference():
-    """On one CPU rank: the engine's (prompt, tokens, logprobs) per request, the full-forward logprobs of the same
-    tokens and the argmax tokens; how often each flash-attn function ran, and what the rows answer."""
+def _generate_and_reference(ep=1):
+    """On each CPU rank (expert-parallel over `ep` ranks; rank r shifts every prompt id by r, same lengths): the
+    engine's (prompt, tokens, logprobs) per request, the full-forward logprobs of the same tokens and the argmax
+    tokens; how often each flash-attn function ran, and what the rows answer."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -73,7 +76,8 @@ def _generate_and_reference():
     from mindspeed_proxy.testing.parallel import init_parallel
     from mindspeed_proxy.tiny_moe import TinyMoEConfig, build_model
 
-    init_parallel(seed=5)
+    init_parallel(ep=ep, seed=5)
+    shift = torch.distributed.get_rank()
     cfg = TinyMoEConfig(num_layers=2, seq_length=128, init_method_std=0.2)
     model = build_model(cfg).eval()
     context = DynamicInferenceContext(
@@ -98,22 +102,32 @@ def _generate_and_reference():
         while step == 0 or engine.has_unfinished_requests():
             for request_id, (prompt, arrives) in PROMPTS.items():
                 if arrives == step:
-                    engine.add_request(request_id, prompt, params)
+                    engine.add_request(request_id, [t + shift for t in prompt], params)
             finished += engine.step_modern()["finished_request_records"]
             step += 1
     finally:
         for name, original in originals.items():
             setattr(attention, name, original)
+    engine.suspend()  # what Megatron-LM's RL does around each training phase: the KV cache is freed, then rebuilt
+    engine.resume()
+    for request_id in (0, 2):
+        engine.add_request(100 + request_id, [t + shift for t in PROMPTS[request_id][0]], params)
+    again = []
+    while engine.has_unfinished_requests():
+        again += engine.step_modern()["finished_request_records"]
+    calls["after resume"] = {r.request_id - 100: (list(r.generated_tokens), list(r.generated_log_probs))
+                             for r in (record.merge() for record in again)}
     results = {}
-    with torch.no_grad():
+    with torch.inference_mode():  # as the engine: EP buffers it allocated are inference tensors
         for record in finished:
             request = record.merge()
             prompt, tokens = request.prompt_tokens.tolist(), list(request.generated_tokens)
             logp = next_token_logprobs(model_logits(model, torch.tensor([prompt + tokens[:-1]])), 1.0)[0]
             rows = logp[len(prompt) - 1:]
             reference = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-            results[request.request_id] = dict(prompt=prompt, tokens=tokens, logprobs=list(request.generated_log_probs),
-                                               reference=reference.tolist(), argmax=rows.argmax(dim=1).tolist())
+            results[request.request_id] = dict(
+                prompt=[t - shift for t in prompt], tokens=tokens, logprobs=list(request.generated_log_probs),
+                reference=reference.tolist(), argmax=rows.argmax(dim=1).tolist())
     return results, calls
 
 
@@ -122,9 +136,8 @@ def generated():
     return run_distributed(_generate_and_reference, 1, timeout=300)[0]
 
 
-def test_engine_tokens_and_logprobs_equal_full_forward(generated):
+def check_against_full_forward(results):
     """Greedy tokens are the full forward's argmax; their log-probs equal the full forward's within 1e-4."""
-    results, _ = generated
     assert sorted(results) == sorted(PROMPTS)
     for request_id, got in results.items():
         assert got["prompt"] == PROMPTS[request_id][0]
@@ -134,6 +147,19 @@ def test_engine_tokens_and_logprobs_equal_full_forward(generated):
         assert diff < LOGPROB_TOL, (request_id, diff)
 
 
+def test_engine_tokens_and_logprobs_equal_full_forward(generated):
+    """Greedy tokens are the full forward's argmax; their log-probs equal the full forward's within 1e-4."""
+    check_against_full_forward(generated[0])
+
+
+@pytest.mark.slow
+def test_engine_with_expert_parallel_ranks():
+    """EP=2 over 2 gloo ranks (the MoE all-gather dispatcher between the engines' forward passes): each rank's
+    requests against its own full forward."""
+    for results, _ in run_distributed(_generate_and_reference, 2, 2, timeout=600):
+        check_against_full_forward(results)
+
+
 def test_engine_ran_every_kind_of_batch(generated):
     """Prefill / mixed batches ran flash_attn_varlen_func, decode-only batches flash_attn_with_kvcache; a mixed
     batch held decode rows next to a prefill, and a prefill chunk of several queries attended after cached keys
@@ -141,6 +167,16 @@ def test_engine_ran_every_kind_of_batch(generated):
     _, calls = generated
     assert calls.get("flash_attn_varlen_func", 0) > 0 and calls.get("flash_attn_with_kvcache", 0) > 0, calls
     assert calls["decode_in_mixed_batch"] > 0 and calls["chunk_after_prefix"] > 1, calls
+
+
+def test_engine_generates_the_same_after_suspend_and_resume(generated):
+    """suspend() frees the KV cache and resume() rebuilds it (each RL iteration): the same prompts then give the
+    same tokens, log-probs within 1e-5 (other batch companions, same math)."""
+    results, calls = generated
+    assert sorted(calls["after resume"]) == [0, 2]
+    for request_id, (tokens, logprobs) in calls["after resume"].items():
+        assert tokens == results[request_id]["tokens"]
+        assert max(abs(a - b) for a, b in zip(logprobs, results[request_id]["logprobs"])) < 1e-5
 
 
 def test_rows_answer_for_the_torch_functions(generated):

@@ -146,7 +146,8 @@ def test_kvcache_several_queries_contiguous_cache():
 
 def test_sliding_window_and_log_sum_exp():
     """megatron-core 0.19's extra arguments: window_size (sliding window) and the log-sum-exp (attention sinks),
-    varlen with return_attn_probs -> (out, lse [h, total_q], None), kvcache with return_softmax_lse -> lse [B, h, Sq]."""
+    varlen with return_attn_probs -> (out, lse [h, total_q], None); kvcache with return_softmax_lse -> lse
+    [B, h, Sq]."""
     gen = torch.Generator().manual_seed(14)
     q_lens, k_lens, heads, heads_k, dim, window = [4, 1, 6], [9, 5, 6], 4, 2, 8, (3, -1)
     qs = sequences(q_lens, heads, dim, gen)
