@@ -17,6 +17,8 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
   of split sizes (a no-op on CPU that must still return numpy when asked).
 - Device-property queries, CUDA_DEVICE_MAX_CONNECTIONS and the sequence-parallel torch norm that TP>1 /
   CP>1 need: `mindspeed_proxy.patches.cpu_parallel` (rows of this feature).
+- Megatron-LM's `train_rl.py` training step (its default packed-sequence params, which only Transformer
+  Engine's attention takes): `mindspeed_proxy.patches.cpu_rl` (a row of this feature).
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches import cpu_parallel
+from mindspeed_proxy.patches import cpu_parallel, cpu_rl
 from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
                                               apply_feature, register, revert_feature)
 
@@ -415,6 +417,9 @@ def _register_all() -> None:
         register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_LM_SUPPORTED,
                        optional=True,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
+    for target, build, optional in cpu_rl.rows():
+        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
 
 
 class _SameGeneratorFilter(logging.Filter):
