@@ -35,6 +35,8 @@ REFUSED = (
     Refused("--optimizer-cpu-offload", _OFFLOAD),
     Refused("--cpu-offloading", _OFFLOAD),
     Refused("--fine-grained-activation-offloading", _OFFLOAD),
+    Refused("--rl-use-sequence-packing", "packed sequences need Transformer Engine's attention; the local spec's "
+            "DotProductAttention (the one without TE) refuses packed_seq_params"),
     Refused("--refit-method", "the nccl and nvshmem refits need CUDA; use --refit-method gloo (the default)",
             ("nccl", "nvshmem")),
 )
