@@ -3,7 +3,7 @@ family covers the MTP layer and names it `mtp.0` (megatron numbers its transform
 must not read as a decoder layer), its router statistics are those of the MTP router, and its expert-feature
 files feed the converter under the same names."""
 import json
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,28 +11,17 @@ import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
-from mindspeed_proxy.testing import run_distributed
-from mindspeed_proxy.training.loop import train
-
-FLAGS = ["--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--global-batch-size", "8",
-         "--micro-batch-size", "2", "--expert-model-parallel-size", "2", "--mtp-num-layers", "1",
-         "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
-         "--moe-router-score-function", "sigmoid", "--ckpt-format", "torch", "--enable-mechanism-monitor",
-         "--mechanism-monitor-collect-expert-features", "--mechanism-monitor-expert-features-start", "2"]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp-monitor")
-    config = root / "monitor.json"
-    config.write_text(json.dumps({"interval": 1, "delta": 1, "router_interval": 1}))
-    run_distributed(train, 2, FLAGS + ["--save", str(root / "ckpt"), "--log-dir", str(root / "logs"),
-                                       "--mechanism-monitor-config", str(config)], timeout=400)
-    return root
+def run(checkpoints):
+    """The shared `mtp` checkpoint (helpers.CONFIGS): trained 2 steps with the monitor on at every step."""
+    root = Path(checkpoints("mtp"))
+    return {"ckpt": root, "monitor": root.parent / "mtp-logs" / "mechanism_monitor"}
 
 
 def _samples(run, family):
-    records = [json.loads(line) for line in open(run / "logs" / "mechanism_monitor" / "monitor.jsonl")]
+    records = [json.loads(line) for line in open(run["monitor"] / "monitor.jsonl")]
     return [r for r in records if r["type"] == "sample" and r["family"] == family]
 
 
@@ -52,7 +41,7 @@ def _similarity64(weight):
 
 def test_mtp_router_statistics_are_the_mtp_routers(run):
     """The last router sample (after step 2) against a float64 recomputation from the saved step-2 weights."""
-    model = safe_torch_load(str(run / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"))["model"]
+    model = safe_torch_load(str(run["ckpt"] / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"))["model"]
     layers = _samples(run, "router")[-1]["layers"]
     want = {"0": "decoder.layers.0.mlp.", "1": "decoder.layers.1.mlp.", "mtp.0": "mtp.layers.0.transformer_layer.mlp."}
     for name, prefix in want.items():
@@ -63,11 +52,11 @@ def test_mtp_router_statistics_are_the_mtp_routers(run):
 
 
 def test_mtp_expert_features_feed_the_converter(run, capsys):
-    folder = run / "logs" / "mechanism_monitor"
+    folder = run["monitor"]
     assert sorted(np.load(folder / "expert_features.npz").files) == ["0", "1", "mtp.0"]
     usage = json.load(open(folder / "expert_usage.json"))
     assert sorted(usage) == ["0", "1", "mtp.0"] and all(sum(c) == 512 * 2 for c in usage.values())  # tokens x top-2
-    rc = main(["--load", str(run / "ckpt"), "--dry-run", "--target-expert-parallel-size", "1",
+    rc = main(["--load", str(run["ckpt"]), "--dry-run", "--target-expert-parallel-size", "1",
                "--target-num-experts", "4", "--features", str(folder / "expert_features.npz"),
                "--usage-file", str(folder / "expert_usage.json"), "--usage-weighted"])
     out = capsys.readouterr().out
