@@ -142,3 +142,15 @@ def test_rows_are_gated_where_their_targets_are():
 
     assert [registry.within(Version(v), gate) for v in ("0.14.0", "0.15.0", "0.16.1", "0.19.1", "0.20.0")] == [
         False, True, True, True, False]
+
+
+def test_list_shows_both_rows_applying_here(capsys):
+    """`python -m mindspeed_proxy.patches --list` names both rows, each applying to the imported megatron-core."""
+    from mindspeed_proxy.patches.__main__ import main  # in this process: listing applies nothing
+
+    assert main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for feature, target in (("mla-local-attention", "MultiLatentAttention.__init__"),
+                            ("cpu-platform", "YarnRotaryEmbedding.__init__")):
+        row = [line for line in lines if line.startswith(feature) and target in line]
+        assert len(row) == 1 and row[0].endswith("applies"), lines
