@@ -7,6 +7,7 @@ faults) are held and written once the load says which run this is (`_settle`).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from mindspeed_proxy.monitor.run_log import RunFolderError, RunLog
@@ -28,7 +29,7 @@ class RunOutputs:
         # the last rank), since every rank holds the same results
         kinds = cfg.sinks if self.is_logging_rank else [k for k in cfg.sinks if k in WRITER_SINKS]
         self.sinks = build_sinks(kinds, cfg.output_dir, tensorboard_writer, wandb_writer)
-        where = tensorboard_dir or writer_dir(tensorboard_writer)
+        where = os.path.abspath(tensorboard_dir) if tensorboard_dir else writer_dir(tensorboard_writer)
         if where and "tensorboard" in cfg.sinks:
             header["tensorboard_dir"] = where  # where `report` finds the run's loss
         self.last_step = header.get("iteration", 0)
