@@ -302,7 +302,8 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Detector state, disabled statistics, the last router load, the run id and last step (no snapshots)."""
-        return {"version": 1, "run_id": self.run_log.run_id, "step": self.last_step, "spectral_detectors": self.spectral_detectors.state_dict(),
+        return {"version": 1, "run_id": self.run_log.run_id, "step": self.last_step,
+                "spectral_detectors": self.spectral_detectors.state_dict(),
                 "router_detectors": self.router_detectors.state_dict(),
                 "rl_detectors": self.rl_detectors.state_dict(), "disabled": sorted(self.disabled),
                 "prev_load": None if self._prev_load is None else self._prev_load.tolist()}

@@ -128,7 +128,8 @@ class RunLog:
         if self.pending:
             self.pending = False
             if self.found is not None and (saved_run_id is None or saved_run_id != self.found.get("run_id")):
-                what = "the loaded checkpoint has no monitor state" if saved_run_id is None else \
+                what = "the loaded checkpoint has no run id (no monitor state, or one saved before run ids)" \
+                    if saved_run_id is None else \
                     f"the loaded checkpoint is of run {saved_run_id}"
                 raise refusal(self.path, self.found, what)
             if saved_run_id is not None:
