@@ -57,10 +57,16 @@ def get_megatron_optimizer_wrapper(original):
         if RUNTIME.config is not None:
             from mindspeed_proxy.monitor import MechanismMonitor
 
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
             tensorboard_writer, wandb_writer = RUNTIME.writers()
-            RUNTIME.monitor = MechanismMonitor(RUNTIME.config, model_chunks, optimizer,
-                                               tensorboard_writer=tensorboard_writer,
-                                               wandb_writer=wandb_writer, iteration=RUNTIME.iteration or 0)
+            try:
+                RUNTIME.monitor = MechanismMonitor(
+                    RUNTIME.config, model_chunks, optimizer, tensorboard_writer=tensorboard_writer,
+                    wandb_writer=wandb_writer, iteration=RUNTIME.iteration or 0, resume=RUNTIME.resuming(),
+                    tensorboard_dir=RUNTIME.tensorboard_dir())
+            except RunFolderError as exc:  # another run's monitor.jsonl in the output folder: before training
+                RUNTIME.refuse(exc)
             if RUNTIME.faults:
                 RUNTIME.monitor.log_record({"type": "faults", "faults": [
                     {"name": f.name, **f.params} for f in RUNTIME.faults]})
@@ -126,7 +132,12 @@ def load_checkpoint_wrapper(original):
     def load_checkpoint(*args, **kwargs):
         result = original(*args, **kwargs)
         if RUNTIME.monitor is not None:
-            RUNTIME.monitor.weights_loaded()
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
+            try:
+                RUNTIME.monitor.weights_loaded()
+            except RunFolderError as exc:  # the loaded checkpoint is not of the run in the output folder
+                RUNTIME.refuse(exc)
         return result
 
     return load_checkpoint

@@ -67,6 +67,7 @@ def setup(argv, prog: str, rl: bool = True):
         from mindspeed_proxy import patches
 
         RUNTIME.iteration = resume.resume_iteration(args)
+        RUNTIME.resume = bool(getattr(args, "rl_resume", False))  # the monitor's folder continues that run
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     RUNTIME.tensorboard_writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() == (
         monitor_config.log_rank if monitor_config is not None else 0)) or RUNTIME.tensorboard_writer

@@ -88,7 +88,7 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
                    "else ./runs/<timestamp>)")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event files (needs the tensorboard "
-                   "package): the loop's scalars, and the monitor's when its sinks name tensorboard")
+                   "package): the loop's scalars, and the monitor's (unless its config's sinks leave out tensorboard)")
     g.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
                    help="platform (default: MINDSPEED_PROXY_DEVICE, else auto-detect)")
     from mindspeed_proxy.monitor.arguments import add_monitor_arguments

@@ -179,6 +179,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         from mindspeed_proxy.patches.runtime import RUNTIME
 
         RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
+        RUNTIME.resume = bool(args.load) and not args.finetune  # the monitor's folder continues that run
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() ==
                             (monitor_config.log_rank if monitor_config is not None else 0))
@@ -203,7 +204,14 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
         if monitor is not None:
-            monitor.weights_loaded()
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
+            try:
+                monitor.weights_loaded()
+            except RunFolderError as exc:  # a checkpoint without monitor state, into another run's folder
+                if rank0:
+                    error(prog, exc)
+                raise SystemExit(2) from None
     log_dir = resolve_log_dir(args)
     metrics = MetricsWriter(log_dir, args, enabled=rank0)
     saver = C.saver(args.ckpt_format)
