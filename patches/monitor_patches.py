@@ -88,7 +88,7 @@ def router_routing_wrapper(original):
         monitor = RUNTIME.monitor
         if monitor is not None and RUNTIME.phase == "train":
             monitor.on_router_logits(self.layer_number, logits, result[1])
-        CAPTURE.on_routing(self, result[1])
+        CAPTURE.on_routing(self, result[0], result[1])
         return result
 
     return routing

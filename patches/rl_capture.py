@@ -57,21 +57,21 @@ class Capture:
             logger.warning("mindspeed-proxy: %s", message)
 
     # ------------------------------------------------------------ router tap
-    def on_routing(self, router, routing_map: torch.Tensor) -> None:
+    def on_routing(self, router, probs: torch.Tensor, routing_map: torch.Tensor) -> None:
         """The experts one TopKRouter chose: recorded for the rollout table or for the pi_old pass."""
         if not self.active():
             return
         try:
             self.num_experts, self.top_k = router.config.num_moe_experts, router.topk
             if RUNTIME.phase == "rollout":
-                self._record_rollout(router.layer_number, routing_map)
+                self._record_rollout(router.layer_number, probs, routing_map)
             elif self.old_pass:
                 self.train_routing.add(router.layer_number, topk_of(routing_map, router.topk))
         except Exception as exc:  # the monitor never breaks training
             self.failed = True
             self.warn("tap", f"rl rows disabled: routing capture failed ({type(exc).__name__}: {exc})")
 
-    def _record_rollout(self, layer: int, routing_map: torch.Tensor) -> None:
+    def _record_rollout(self, layer: int, probs: torch.Tensor, routing_map: torch.Tensor) -> None:
         ctx = self.context
         if ctx is None or layer in self.context_layers:  # an EP dummy forward asks the context nothing
             return
@@ -85,8 +85,10 @@ class Capture:
             return
         slots = ctx.token_to_request_idx[:active].long()
         rank = dist.get_rank() if dist.is_initialized() else 0
+        experts = topk_of(routing_map[:active], self.top_k)
+        weights = probs[:active].gather(1, experts.to(probs.device)) if RUNTIME.rl_gap_interval else None
         self.rollout.record(layer, ctx.request_ids[slots].cpu(), ctx.token_to_pos_ids[:active].cpu(),
-                            ctx.token_to_input_ids[:active].cpu(), topk_of(routing_map[:active], self.top_k), rank)
+                            ctx.token_to_input_ids[:active].cpu(), experts, rank, probs=weights)
 
     # ------------------------------------------------------------ the update
     def begin_update(self, sequence_packing: bool) -> None:
@@ -119,8 +121,9 @@ class Capture:
             mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]), value=False)
         self.aligned = (inference_logprobs.detach().cpu(), old_logprobs.detach().cpu(), mask.cpu())
 
-    def finish(self, group) -> Optional[dict]:
-        """The update returned (every rank of `group`, the data-parallel group): feed the rl family."""
+    def finish(self, group, model=None, micro_batch: Optional[int] = None) -> Optional[dict]:
+        """The update returned (every rank of `group`, the data-parallel group): feed the rl family (with the
+        gap decomposition on `model` when --mechanism-monitor-rl-gap-interval says so)."""
         self.in_update, self.old_pass = False, False
         if RUNTIME.monitor is None:
             return None
@@ -132,11 +135,17 @@ class Capture:
         entropy = torch.cat(self.entropy) if self.entropy else None
         train_idx, layers = self.train_routing.take()
         rows = torch.cat(self.rows) if self.rows else None
-        routed = positions = None
+        routed = positions = probs = None
         if train_idx is not None and self.table is not None and rows is not None and rows.shape[0] == mask.shape[0]:
-            routed, positions = self.table.lookup(rows, layers, top_k=train_idx.shape[-1])
+            gap = RUNTIME.rl_gap_interval and RUNTIME.current_step() % RUNTIME.rl_gap_interval == 0
+            found = self.table.lookup(rows, layers, top_k=train_idx.shape[-1], with_probs=bool(gap))
+            routed, positions = found[0], found[1]
+            if gap and model is not None and bool(positions.any(dim=1).all()):
+                probs = forward_fill(found[2], positions)
+        device = _device(model) if model is not None else torch.device("cpu")  # the group's backend reduces there
         usable = torch.tensor([float(entropy is not None and entropy.shape == mask.shape),
-                               float(routed is not None)], dtype=torch.float64)
+                               float(routed is not None), float(probs is not None)], dtype=torch.float64,
+                              device=device)
         if dist.is_initialized():  # every rank of the group reduces tensors of the same layout
             dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
         if usable[1] < 1:
@@ -145,13 +154,25 @@ class Capture:
         from mindspeed_proxy.rl.observe import RolloutObserver
 
         if self.observer is None or self.observer.monitor is not RUNTIME.monitor:
-            self.observer = RolloutObserver(RUNTIME.monitor, group, num_experts=self.num_experts)
-        with_routing = usable[1] >= 1
+            self.observer = RolloutObserver(RUNTIME.monitor, group, num_experts=self.num_experts,
+                                            gap_interval=max(RUNTIME.rl_gap_interval, 1),
+                                            gap_samples=RUNTIME.rl_gap_samples)
+        with_routing, with_gap = usable[1] >= 1, usable[2] >= 1
+        if with_routing:  # the gap's passes replay the rollout's experts at every position (filled where not run)
+            routed = forward_fill(routed, positions)
+        on = lambda t: None if t is None else t.to(device)  # noqa: E731
+        gap = dict(model=model, input_ids=on(rows), routed_probs=on(probs), micro_batch=micro_batch,
+                   replays_rollout_experts=RUNTIME.routing_replay == "r3") if with_gap else {}
         self.last_record = self.observer.observe(
-            RUNTIME.current_step(), rollout_lp, old_lp, mask, routed if with_routing else None,
-            train_routed_experts=train_idx if with_routing else None,
-            entropy=entropy if usable[0] >= 1 else None, routed_positions=positions if with_routing else None)
+            RUNTIME.current_step(), on(rollout_lp), on(old_lp), on(mask), on(routed) if with_routing else None,
+            train_routed_experts=on(train_idx) if with_routing else None,
+            entropy=on(entropy) if usable[0] >= 1 else None,
+            routed_positions=on(positions) if with_routing else None, **gap)
         return self.last_record
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 CAPTURE = Capture()

@@ -1,5 +1,8 @@
 """`--mechanism-routing-replay r3` on Megatron-LM's args: switch megatron-core's RouterReplay on, or refuse in one line.
 
+`--mechanism-monitor-rl-gap-interval N` needs RouterReplay as well (its passes replay the rollout's experts):
+it also sets `moe_enable_routing_replay` (an idle RouterReplay routes as without it).
+
 R3 replays the experts megatron-core's dynamic engine chose at rollout in every training-side pass of
 train_rl.py (patches/rl_rows.py). It needs `RouterReplay` (megatron-core 0.16+), sets the TransformerConfig
 field `moe_enable_routing_replay` (core_transformer_config_from_args copies every args attribute named like a
@@ -42,6 +45,14 @@ def apply_routing_replay(args) -> None:
 
     mode = getattr(args, "mechanism_routing_replay", None) or "off"
     RUNTIME.routing_replay = mode
+    gap = getattr(args, "mechanism_monitor_rl_gap_interval", 0) or 0
+    if gap < 0 or (getattr(args, "mechanism_monitor_rl_gap_samples", 8) or 0) < 1:
+        fail("mindspeed-proxy --mechanism-monitor-rl-gap-interval", "the interval must be >= 0 and "
+             "--mechanism-monitor-rl-gap-samples >= 1")
+    RUNTIME.rl_gap_interval, RUNTIME.rl_gap_samples = gap, getattr(args, "mechanism_monitor_rl_gap_samples", 8)
+    if gap:
+        check_available()
+        args.moe_enable_routing_replay = True
     if mode != "r3":
         return
     check_available()

@@ -86,7 +86,11 @@ def prepare_wrapper(original):
             CAPTURE.in_update = CAPTURE.old_pass = False
         from megatron.core import parallel_state
 
-        CAPTURE.finish(parallel_state.get_data_parallel_group())
+        from mindspeed_proxy.patches.runtime import megatron_lm_args
+
+        model = bound.get("model")
+        CAPTURE.finish(parallel_state.get_data_parallel_group(), model=model[0] if model else None,
+                       micro_batch=getattr(megatron_lm_args(), "micro_batch_size", None))
         return result
 
     return prepare_data_for_update

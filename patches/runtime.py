@@ -17,6 +17,7 @@ class MonitorRuntime:
         self.wandb_writer = None
         self.mindspeed_manager = None  # MindSpeed's patch manager when our rows went through it
         self.routing_replay = "off"  # --mechanism-routing-replay: "r3" replays the rollout's experts (rl_rows.py)
+        self.rl_gap_interval, self.rl_gap_samples = 0, 8  # --mechanism-monitor-rl-gap-*: train_rl.py's gap
 
     def current_step(self) -> int:
         """1-based number of the optimizer step in progress (or just finished, inside its step()).

@@ -114,7 +114,7 @@ def _rank(out_dir: str, mode: str):
     init_parallel(ep=2)
     rank = dist.get_rank()
     handle = patches.apply(MonitorConfig(output_dir=out_dir))
-    RUNTIME.routing_replay = mode
+    RUNTIME.routing_replay, RUNTIME.rl_gap_interval, RUNTIME.rl_gap_samples = mode, 1, 8  # the gap on every row
     args = Namespace(fp16=False, bf16=False, cuda_graph_impl="none", rl_training_cuda_graphs=False,
                      seq_length=SEQ, decoder_seq_length=None, grpo_prompts_per_step=PROMPTS, grpo_group_size=GROUP,
                      global_batch_size=PROMPTS * GROUP, micro_batch_size=2, rl_skip_bos_token=False,
@@ -272,11 +272,18 @@ def test_rl_rows_match_float64(tmp_path, mode):
     assert record["iteration"] == STEP and record == results[1]["record"]
     for key in ("mismatch_abs_logp_mean", "ratio_mean", "ratio_max", "ess"):
         assert record[key] == pytest.approx(ref[key], rel=tolerance.get(key, 1e-9), abs=1e-12), key
+    # the gap decomposition's pass (a) is pi_old again (our log_softmax vs Megatron-LM's logsumexp, both fp32)
+    assert record["gap_tokens"] == sum(len(t) - p for res in results for t, p in res["rows"].values())
+    assert record["gap_abs_mean"] == pytest.approx(ref["mismatch_abs_logp_mean"], abs=1e-5)
+    parts = sum(record[f"gap_{t}_abs_mean"] for t in ("flip", "weights", "other"))
+    assert parts >= record["gap_abs_mean"] - 1e-12  # |a - r| <= |flip| + |weights| + |other| per token
     if mode == "off":
         assert ref["any_layer_mismatch"] > 0  # the flattened engine forward routes some tokens differently
         for layer, value in zip(sorted(k for k in got if k != "all"), ref["topk_match"]):
             assert got[layer]["topk_match"] == pytest.approx(value, abs=1e-12)
         assert got["all"]["any_layer_mismatch"] == pytest.approx(ref["any_layer_mismatch"], abs=1e-12)
+        assert record["gap_flipped_token_frac"] > 0 and record["gap_flip_abs_mean"] > 0
     else:
         assert got["all"]["any_layer_mismatch"] == 0.0
+        assert record["gap_flip_abs_mean"] == 0.0 and record["gap_flipped_token_frac"] == 0.0
         assert all(got[k]["topk_match"] == 1.0 for k in got if k != "all")

@@ -22,21 +22,26 @@ def topk_of(routing_map: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class RolloutRouting:
-    """Experts the engine chose, per (rank, request): {position: token} and {layer number: {position: ids}}."""
+    """Experts the engine chose, per (rank, request): {position: token}, {layer number: {position: ids}} and
+    {layer number: {position: their routing probabilities}} (when recorded)."""
 
     def __init__(self):
         self.requests: dict = {}
         self.layers: set = set()
 
     def record(self, layer: int, request_ids: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
-               experts: torch.Tensor, rank: int = 0) -> None:
-        """One layer's top-k `experts` [n, k] of the n tokens of one engine step (request, position, token)."""
+               experts: torch.Tensor, rank: int = 0, probs: Optional[torch.Tensor] = None) -> None:
+        """One layer's top-k `experts` [n, k] (and their `probs`) of the n tokens of one engine step (request,
+        position, token)."""
         self.layers.add(int(layer))
-        for rid, pos, tok, ids in zip(request_ids.tolist(), positions.tolist(), tokens.tolist(),
-                                      experts.detach().cpu().tolist()):
-            entry = self.requests.setdefault((rank, rid), ({}, {}))
+        weights = probs.detach().float().cpu().tolist() if probs is not None else [None] * len(experts)
+        for rid, pos, tok, ids, w in zip(request_ids.tolist(), positions.tolist(), tokens.tolist(),
+                                         experts.detach().cpu().tolist(), weights):
+            entry = self.requests.setdefault((rank, rid), ({}, {}, {}))
             entry[0][pos] = tok
             entry[1].setdefault(int(layer), {})[pos] = ids
+            if w is not None:
+                entry[2].setdefault(int(layer), {})[pos] = w
 
     def gather(self, group=None) -> "RolloutRouting":
         """This table merged with every rank's of `group` (all_gather_object; a collective on every rank)."""
@@ -47,11 +52,12 @@ class RolloutRouting:
         merged = RolloutRouting()
         for requests, layers in tables:
             merged.layers.update(layers)
-            for key, (tokens, per_layer) in requests.items():
-                entry = merged.requests.setdefault(key, ({}, {}))
-                entry[0].update(tokens)
-                for layer, ids in per_layer.items():
-                    entry[1].setdefault(layer, {}).update(ids)
+            for key, parts in requests.items():
+                entry = merged.requests.setdefault(key, ({}, {}, {}))
+                entry[0].update(parts[0])
+                for into, per_layer in zip(entry[1:], parts[1:]):
+                    for layer, values in per_layer.items():
+                        into.setdefault(layer, {}).update(values)
         return merged
 
     def _by_prefix(self) -> dict:
@@ -64,16 +70,18 @@ class RolloutRouting:
                 out.setdefault(prefix, key)
         return out
 
-    def lookup(self, rows: torch.Tensor, layers: Optional[list] = None, top_k: Optional[int] = None):
-        """(experts [B, S, L, k] int64, recorded [B, S] bool) for `rows` [B, S] over `layers` (default: all
-        recorded, ascending); a row no request starts, or a position the engine did not run, is not recorded
-        (experts 0 there)."""
+    def lookup(self, rows: torch.Tensor, layers: Optional[list] = None, top_k: Optional[int] = None,
+               with_probs: bool = False):
+        """(experts [B, S, L, k] int64, recorded [B, S] bool[, probs [B, S, L, k] float32]) for `rows` [B, S] over
+        `layers` (default: all recorded, ascending); a row no request starts, or a position the engine did not run
+        (or ran without probabilities, with `with_probs`), is not recorded (zeros there)."""
         layers = sorted(self.layers) if layers is None else list(layers)
         batch, seq = rows.shape
         if top_k is None:
-            top_k = next((len(ids) for _, per in self.requests.values() for d in per.values() for ids in d.values()),
-                         1)
+            top_k = next((len(ids) for parts in self.requests.values() for d in parts[1].values()
+                          for ids in d.values()), 1)
         experts = torch.zeros(batch, seq, len(layers), top_k, dtype=torch.int64)
+        probs = torch.zeros(batch, seq, len(layers), top_k, dtype=torch.float32)
         recorded = torch.zeros(batch, seq, dtype=torch.bool)
         index = self._by_prefix()
         lengths = sorted({len(p) for p in index}, reverse=True)
@@ -81,12 +89,15 @@ class RolloutRouting:
             key = next((index[tuple(row[:n])] for n in lengths if n <= seq and tuple(row[:n]) in index), None)
             if key is None:
                 continue
-            per_layer = self.requests[key][1]
+            _, per_layer, per_layer_probs = self.requests[key]
             for pos in range(min(seq, len(self.requests[key][0]))):
-                if all(pos in per_layer.get(layer, {}) for layer in layers):
+                if all(pos in per_layer.get(layer, {}) for layer in layers) and (not with_probs or all(
+                        pos in per_layer_probs.get(layer, {}) for layer in layers)):
                     recorded[b, pos] = True
                     experts[b, pos] = torch.tensor([per_layer[layer][pos] for layer in layers])
-        return experts, recorded
+                    if with_probs:
+                        probs[b, pos] = torch.tensor([per_layer_probs[layer][pos] for layer in layers])
+        return (experts, recorded, probs) if with_probs else (experts, recorded)
 
 
 def forward_fill(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:

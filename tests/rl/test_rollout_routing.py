@@ -35,7 +35,7 @@ def test_table_rebuilds_each_requests_experts_from_shuffled_engine_steps():
         tok = torch.tensor([int(requests[r][0][p]) for r, p in zip(rids.tolist(), pos.tolist())])
         for layer in (2, 1):
             experts = torch.stack([requests[r][1][layer - 1, p] for r, p in zip(rids.tolist(), pos.tolist())])
-            table.record(layer, rids, pos, tok, experts)
+            table.record(layer, rids, pos, tok, experts, probs=experts.float() / 10 + layer)
     seq = 12
     rows = torch.zeros(len(requests) + 1, seq, dtype=torch.long)
     for rid, (tok, _) in requests.items():  # the training row: the request's tokens, one more token, padding
@@ -48,6 +48,9 @@ def test_table_rebuilds_each_requests_experts_from_shuffled_engine_steps():
         assert recorded[rid, :n].all() and not recorded[rid, n:].any()
         assert torch.equal(experts[rid, :n], ex.permute(1, 0, 2))  # [n, L, k], layers ascending
     assert not recorded[-1].any()
+    again, _, probs = table.lookup(rows, with_probs=True)
+    assert torch.equal(again, experts)
+    assert torch.equal(probs[recorded], experts[recorded].float() / 10 + torch.tensor([1.0, 2.0]).view(1, 2, 1))
     filled = forward_fill(experts, recorded)
     for rid, (tok, ex) in requests.items():
         assert (filled[rid, len(tok):] == ex[:, -1].unsqueeze(0)).all()
