@@ -6,8 +6,10 @@ and position in a context with the engine's attribute names, read through the pa
 `DynamicInferenceContext.current_input_and_position_ids`. Then Megatron-LM's real `prepare_data_for_update`
 (pi_old, reference and aligned inference logprobs) runs with the rows applied, and the monitor's rl sample at
 train_rl.py's iteration is checked against a float64 recomputation from the tensors Megatron-LM returned and
-from routing recorded independently with megatron-core's RouterReplay. With `r3` the pi_old pass replays the
-rollout's experts and the routing statistics read exactly no mismatch.
+the logits and routing the pi_old pass saw (megatron-core's RouterReplay, independent of the rows' tap); the
+gap decomposition's pass (a) equals pi_old. With `r3` the pi_old pass replays the rollout's experts: the routing
+statistics read exactly no mismatch and the gap no flip. (The engine's own routing record is checked on the real
+dynamic engine in tests/test_rollout_routing_engine.py.)
 """
 from __future__ import annotations
 
