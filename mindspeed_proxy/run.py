@@ -24,6 +24,9 @@ def apply_from_argv(argv: list[str]) -> None:
     flags = monitor_flags_in(argv)
     config = monitor_config_from_args(flags) if flags.enable_mechanism_monitor else None
     patches.apply(config, enable_monitor=flags.enable_mechanism_monitor, faults=flags.inject_fault)
+    from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
+
+    apply_routing_replay(flags)  # again on Megatron-LM's parsed args (patched parse_args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ class MonitorRuntime:
         self.wandb_writer = None
         self.resume: Optional[bool] = None  # a checkpoint of this run will be loaded (None: ask Megatron-LM's args)
         self.mindspeed_manager = None  # MindSpeed's patch manager when our rows went through it
+        self.routing_replay = "off"  # --mechanism-routing-replay: "r3" replays the rollout's experts (rl_rows.py)
+        self.rl_gap_interval, self.rl_gap_samples = 0, 8  # --mechanism-monitor-rl-gap-*: train_rl.py's gap
 
     def current_step(self) -> int:
         """1-based number of the optimizer step in progress (or just finished, inside its step()).

@@ -59,17 +59,32 @@ def _counting(module, name, calls):
     return original
 
 
-def _generate_and_reference(ep=1):
-    """On each CPU rank (expert-parallel over `ep` ranks; rank r shifts every prompt id by r, same lengths): the
-    engine's (prompt, tokens, logprobs) per request, the full-forward logprobs of the same tokens and the argmax
-    tokens; how often each flash-attn function ran, and what the rows answer."""
+def build_engine(model, cfg):
+    """(DynamicInferenceEngine, its controller) over `model`: paged KV of 8-token blocks, at most 64 tokens a step."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
-    from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.inference.text_generation_controllers.simple_text_generation_controller import (
         SimpleTextGenerationController)
+
+    context = DynamicInferenceContext(
+        params_dtype=torch.float32, num_layers=cfg.num_layers, kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        num_attention_heads=cfg.num_query_groups, max_sequence_length=cfg.seq_length, block_size_tokens=8,
+        buffer_size_gb=0.02, max_requests=8, max_tokens=64, materialize_only_last_token_logits=True)
+    wrapper_config = InferenceWrapperConfig(hidden_size=cfg.hidden_size, params_dtype=torch.float32,
+                                            inference_batch_times_seqlen_threshold=-1,
+                                            padded_vocab_size=cfg.vocab_size)
+    controller = SimpleTextGenerationController(
+        inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context), tokenizer=TokenIdTokenizer())
+    return DynamicInferenceEngine(controller, context, random_seed=1, enable_chunked_prefill=True), controller
+
+
+def _generate_and_reference(ep=1):
+    """On each CPU rank (expert-parallel over `ep` ranks; rank r shifts every prompt id by r, same lengths): the
+    engine's (prompt, tokens, logprobs) per request, the full-forward logprobs of the same tokens and the argmax
+    tokens; how often each flash-attn function ran, and what the rows answer."""
+    from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.transformer import attention
 
     from mindspeed_proxy.rl.sampler import model_logits, next_token_logprobs
@@ -80,16 +95,7 @@ def _generate_and_reference(ep=1):
     shift = torch.distributed.get_rank()
     cfg = TinyMoEConfig(num_layers=2, seq_length=128, init_method_std=0.2)
     model = build_model(cfg).eval()
-    context = DynamicInferenceContext(
-        params_dtype=torch.float32, num_layers=cfg.num_layers, kv_channels=cfg.hidden_size // cfg.num_attention_heads,
-        num_attention_heads=cfg.num_query_groups, max_sequence_length=cfg.seq_length, block_size_tokens=8,
-        buffer_size_gb=0.02, max_requests=8, max_tokens=64, materialize_only_last_token_logits=True)
-    wrapper_config = InferenceWrapperConfig(hidden_size=cfg.hidden_size, params_dtype=torch.float32,
-                                            inference_batch_times_seqlen_threshold=-1,
-                                            padded_vocab_size=cfg.vocab_size)
-    controller = SimpleTextGenerationController(
-        inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context), tokenizer=TokenIdTokenizer())
-    engine = DynamicInferenceEngine(controller, context, random_seed=1, enable_chunked_prefill=True)
+    engine, controller = build_engine(model, cfg)
     params = SamplingParams(top_k=1, return_log_probs=True, skip_prompt_log_probs=True,
                             num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
     calls = {"is_fa_min_version 2.7.3": attention.is_fa_min_version("2.7.3"),

@@ -108,6 +108,12 @@ def check_finite(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def validate_static(args: argparse.Namespace) -> None:
     """Checks that need no process group; raises ArgumentError naming the flag and the value."""
+    if getattr(args, "mechanism_routing_replay", "off") != "off":
+        raise ArgumentError("--mechanism-routing-replay is for Megatron-LM's train_rl.py; this loop replays with "
+                            "--rl-routing-replay r3")
+    if getattr(args, "mechanism_monitor_rl_gap_interval", 0):
+        raise ArgumentError("--mechanism-monitor-rl-gap-interval is for Megatron-LM's train_rl.py; this loop "
+                            "decomposes the gap with --rl-gap-interval")
     if args.num_experts and args.num_experts % args.expert_model_parallel_size:
         raise ArgumentError(
             f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
