@@ -19,6 +19,8 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
   CP>1 need: `mindspeed_proxy.patches.cpu_parallel` (rows of this feature).
 - megatron-core's dynamic inference engine (flash-attn's paged-KV functions in torch, its sampling
   generator, the triton K/V append): `mindspeed_proxy.patches.cpu_inference` (rows of this feature).
+- Megatron-LM's `train_rl.py` training step (its default packed-sequence params, which only Transformer
+  Engine's attention takes): `mindspeed_proxy.patches.cpu_rl` (a row of this feature).
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches import cpu_inference, cpu_parallel
+from mindspeed_proxy.patches import cpu_inference, cpu_parallel, cpu_rl
 from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
                                               apply_feature, register, revert_feature)
 
@@ -420,6 +422,9 @@ def _register_all() -> None:
         register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_LM_SUPPORTED,
                        optional=True,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
+    for target, build, optional in cpu_rl.rows():
+        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
 
 
 class _SameGeneratorFilter(logging.Filter):

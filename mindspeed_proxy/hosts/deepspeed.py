@@ -28,6 +28,7 @@ import os
 
 import torch.distributed as dist
 
+from mindspeed_proxy.extras import require
 from mindspeed_proxy.hosts.hf_monitor import HFMonitor, dp_groups
 from mindspeed_proxy.monitor.config import MonitorConfig
 
@@ -68,6 +69,7 @@ def skip_shm_comm_build() -> bool:
 
     Call before `init_distributed` in every process; True when installed, False when the accelerator in use
     is not DeepSpeed's CPU one (a GPU or NPU keeps its own)."""
+    require("deepspeed", "mindspeed_proxy.hosts.deepspeed")
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 

@@ -217,8 +217,12 @@ class MonitorConfig:
             raise ValueError(f"monitor config {path}: no such file")
         with open(path, encoding="utf-8") as fh:
             if path.endswith((".yaml", ".yml")):
-                import yaml
+                from mindspeed_proxy.extras import MissingExtra, require
 
+                try:
+                    yaml = require("yaml", f"monitor config {path}")
+                except MissingExtra as exc:
+                    raise ValueError(str(exc)) from None
                 data = yaml.safe_load(fh) or {}
             else:
                 data = json.load(fh)
