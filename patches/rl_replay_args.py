@@ -32,11 +32,10 @@ def check_available() -> None:
     from mindspeed_proxy.rl.replay import router_replay_class
 
     if router_replay_class() is None:
-        import megatron.core as core
+        from mindspeed_proxy.patches.registry import megatron_core_version
 
-        version = getattr(getattr(core, "package_info", None), "__version__", "unknown")
-        fail(PROG, f"r3 needs megatron-core's RouterReplay (megatron/core/transformer/moe/router_replay.py, "
-                   f"0.16+); megatron-core {version} has none")
+        fail(PROG, f"routing replay needs megatron-core's RouterReplay (megatron/core/transformer/moe/"
+                   f"router_replay.py, 0.16+); megatron-core {megatron_core_version() or '(none importable)'} has none")
 
 
 def apply_routing_replay(args) -> None:

@@ -113,12 +113,13 @@ def test_every_row_for_the_imported_version_resolves():
 
 
 @pytest.mark.parametrize("version,absent", [
-    ("0.16.1", set()),
+    ("0.16.1", {"megatron.rl.rl_utils:compute_logprobs_batch"}),  # was _compute_logprobs_batch before 0.17
     ("0.17.1", {"megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
-                "megatron.core.transformer.moe.grouped_gemm_util:ops", "megatron.legacy.fused_kernels:load"}),
+                "megatron.core.transformer.moe.grouped_gemm_util:ops", "megatron.legacy.fused_kernels:load",
+                "megatron.rl.rl_utils:_compute_logprobs_batch"}),
     ("0.19.1", {"megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
                 "megatron.core.transformer.moe.grouped_gemm_util:ops", "megatron.legacy.fused_kernels:load",
-                "megatron.training.initialize:parse_args"}),
+                "megatron.training.initialize:parse_args", "megatron.rl.rl_utils:_compute_logprobs_batch"}),
 ])
 def test_rows_whose_targets_left_a_line_are_not_applied_there(version, absent):
     """The rows gated off a line are exactly those whose targets are gone from its Megatron-LM tag."""

@@ -79,8 +79,9 @@ def test_topk_of_and_train_routing_layout():
     assert capture.take()[0] is None
 
 
-def test_r3_arguments_refused_in_one_line(capsys):
-    """R3 sets moe_enable_routing_replay; packing, recompute, TP > 1 are refused with exit 2 and one line."""
+def test_r3_arguments_refused_in_one_line(capsys, monkeypatch):
+    """R3 sets moe_enable_routing_replay; packing, recompute, TP > 1 and a megatron-core without RouterReplay are
+    refused with exit 2 and one line."""
     from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
     from mindspeed_proxy.patches.runtime import RUNTIME
 
@@ -100,6 +101,13 @@ def test_r3_arguments_refused_in_one_line(capsys):
     args = Namespace(**{**base, "mechanism_routing_replay": "off"})
     apply_routing_replay(args)
     assert not hasattr(args, "moe_enable_routing_replay") and RUNTIME.routing_replay == "off"
+    from mindspeed_proxy.rl import replay
+
+    monkeypatch.setattr(replay, "router_replay_class", lambda: None)
+    with pytest.raises(SystemExit) as exc:
+        apply_routing_replay(Namespace(**base))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "RouterReplay" in err[0], err
 
 
 MLM = os.environ.get("MEGATRON_LM_PATH", "")
