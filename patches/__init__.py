@@ -16,6 +16,7 @@ from typing import Any, Optional
 from mindspeed_proxy.patches import watchdog
 from mindspeed_proxy.patches.mindspeed_manager import mindspeed_has_applied, mindspeed_manager, register_with_mindspeed
 from mindspeed_proxy.patches.registry import Applied, apply_feature
+from mindspeed_proxy.patches.rl_capture import CAPTURE
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 __all__ = ["apply", "active_monitor", "register_with_mindspeed", "Applied"]
@@ -30,6 +31,7 @@ class _RuntimeReset(Applied):
             self.reverted = True
             watchdog.disarm()
             RUNTIME.reset()
+            CAPTURE.__init__()
         return []
 
 
