@@ -8,22 +8,24 @@ Tiny sizes, 8 experts at EP=2 on 2 gloo ranks, no dropout, 3 steps, each shape s
 - Mixtral: GQA, softmax top-2, aux loss.
 Each source converts with the README's plain command (K=4 at EP=1, `--features weights` and `outputs`), loads back
 in `pretrain_gpt.py` with exactly the printed flags and trains 2 steps; K = E (= 8) at EP=1 gives a checkpoint whose
-every model tensor equals the source's (experts renumbered to global ids for legacy files). MTP in the converter
-and the monitor is issue 34 item 2 (branch `mtp`): until it lands, the MTP source's conversion stops with the
-converter's one-line refusal and those tests xfail on exactly that message. Needs MEGATRON_LM_PATH; skips otherwise.
+every model tensor equals the source's (experts renumbered to global ids for legacy files). With MTP (issue 34
+item 2), `--features outputs` is refused in one line (the converter's builder does not build the MTP module; features
+collected during training are the way there). Needs MEGATRON_LM_PATH; skips otherwise.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from test_megatron_lm import MLM, _losses, env, mlm  # noqa: F401  (fixtures)
-from test_megatron_lm_convert import _ok, calibration_tokens, convert, pretrain
+from test_megatron_lm_convert import REPO, _ok, calibration_tokens, convert, pretrain
 from test_megatron_lm_mla import GQA, MLA_BASE
 
 pytestmark = pytest.mark.skipif(
@@ -51,7 +53,8 @@ SHAPES = {
     "mixtral": GQA + ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
 }
 SOURCES = [(shape, fmt) for shape in SHAPES for fmt in ("torch_dist", "torch")]
-MTP_REFUSAL = "outside decoder.layers (e.g. multi-token-prediction layers) is not supported"
+# the converter's builder does not build MTP (docs/proxy.md, MTP): --features outputs is refused in one line there
+MTP_OUTPUTS_REFUSAL = "uses multi-token prediction (mtp_num_layers=1), which the converter's builder does not build"
 
 
 def flags(shape: str, fmt: str) -> list:
@@ -78,16 +81,6 @@ def sources(mlm, env, tmp_path_factory):
     return build
 
 
-def convert_or_mtp_xfail(env, cwd, src, out, k, *extra) -> tuple:
-    """convert(); the MTP source's known one-line refusal (issue 34 item 2, branch mtp) is an xfail."""
-    try:
-        return convert(env, cwd, src, out, 1, k, *extra)
-    except AssertionError as exc:
-        if MTP_REFUSAL in str(exc) and "mtp.layers.0" in str(exc):
-            pytest.xfail("MTP in the converter is issue 34 item 2 (branch mtp): " + MTP_REFUSAL)
-        raise
-
-
 @pytest.mark.parametrize("shape,fmt", SOURCES)
 def test_flagship_shape_trains(sources, shape, fmt):
     """3 steps at EP=2 with finite losses (and the MTP loss where MTP is on); with the monitor, its three families."""
@@ -100,8 +93,6 @@ def test_flagship_shape_trains(sources, shape, fmt):
     records = [json.loads(line) for line in (cwd / "mon" / "monitor.jsonl").read_text().splitlines()]
     families = {r["family"] for r in records if r.get("type") == "sample"}
     assert {"attention-spectral", "update-spectral"} <= families, families
-    if "router" not in families and "--mtp-num-layers" in SHAPES[shape] and "layer_index 4 out of range" in out:
-        pytest.xfail("the router monitor's layer table has no MTP layer: issue 34 item 2 (branch mtp)")
     assert "router" in families and "disabled after an exception" not in out
 
 
@@ -114,7 +105,14 @@ def test_flagship_proxy_loads_back_and_trains(mlm, env, sources, shape, fmt, fea
     out = cwd / f"proxy-k4-{features}"
     extra = [] if features == "weights" else [
         "--features", "outputs", "--calibration-data", calibration_tokens(cwd / "calib.npy")]
-    printed, world, _ = convert_or_mtp_xfail(env, cwd, src, out, 4, *extra)
+    if features == "outputs" and "--mtp-num-layers" in SHAPES[shape]:
+        res = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", str(src), "--save",
+                              str(out), "--target-expert-parallel-size", "1", "--target-num-experts", "4", *extra],
+                             env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 2 and MTP_OUTPUTS_REFUSAL in res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
+        assert len(res.stderr.strip().splitlines()) == 1 and not out.exists(), res.stderr
+        return
+    printed, world, _ = convert(env, cwd, src, out, 1, 4, *extra)
     assert printed[printed.index("--num-experts") + 1] == "4" and world == 1, printed
     manifest = json.loads((out / "proxy_manifest.json").read_text())
     assert all(len(layer["kept_global_ids_in_new_order"]) == 4 for layer in manifest["layers"])
@@ -162,7 +160,7 @@ def test_flagship_k_equals_e_is_the_source(env, sources, shape, fmt):
     """K = E at EP=1 keeps every expert in order: every model tensor of the proxy equals the source's."""
     src, cwd, _ = sources(shape, fmt)
     out = cwd / "proxy-k8"
-    convert_or_mtp_xfail(env, cwd, src, out, 8)
+    convert(env, cwd, src, out, 1, 8)
     read = dist_tensors if fmt == "torch_dist" else legacy_tensors
     latest = int((out / "latest_checkpointed_iteration.txt").read_text().strip())
     source, proxy = read(src / f"iter_{STEPS:07d}"), read(out / f"iter_{latest:07d}")
