@@ -433,8 +433,9 @@ def _register_all() -> None:
         register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_LM_SUPPORTED,
                        optional=True,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
-    for target, build, optional in cpu_rl.rows():
-        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=optional,
+    gates = {"megatron-core": MEGATRON_CORE_SUPPORTED, "megatron-lm": MEGATRON_LM_SUPPORTED}
+    for target, build, optional, key in cpu_rl.rows():
+        register(Patch(target, build, FEATURE, versions=gates[key], optional=optional,
                        description=build.__doc__.strip().splitlines()[0]))
 
 
