@@ -100,21 +100,44 @@ def e2_rows(cfg: dict, data: dict) -> list[dict]:
     return rows
 
 
+def e3_pair(fault: str, c: dict) -> dict:
+    """E3 of one original-vs-proxy `compare_runs` result under `fault`: the targets missed (`failed`, empty when
+    met): same divergence outcome, first alerts within ±alert_tolerance (or neither alerts), and for the healthy
+    pair only, loss Pearson ≥ min_loss_pearson."""
+    a, b = c["a"], c["b"]
+    fa, fb = a["first_alert_step"], b["first_alert_step"]
+    within = None if fa is None or fb is None else abs(fb - fa) <= c["thresholds"]["alert_tolerance"] * fa
+    pearson_ok = fault != "none" or (c["loss"]["pearson"] or 0) >= c["thresholds"]["min_loss_pearson"]
+    alerts_ok = within if within is not None else (fa is None and fb is None)
+    failed = ([] if a["diverged"] == b["diverged"] else ["divergence outcome differs"]) + \
+        ([] if alerts_ok else ["first alerts differ"]) + ([] if pearson_ok else ["healthy loss Pearson < target"])
+    return {"failed": failed, "within": within, "same_div": a["diverged"] == b["diverged"]}
+
+
+def reproduction_verdict(fault: str, c: dict) -> str:
+    """One line: did the proxy reproduce the original's outcome under `fault`, by `e3_pair` (the E3 targets)."""
+    e3, a, b = e3_pair(fault, c), c["a"], c["b"]
+    tol = c["thresholds"]["alert_tolerance"]
+    rule = (f"same divergence outcome, first alerts within ±{tol:.0%}" if fault != "none" else
+            f"same divergence outcome, first alerts within ±{tol:.0%}, loss Pearson ≥ {c['thresholds']['min_loss_pearson']}")
+    what = "the fault" if fault != "none" else "the healthy run"
+    return (f"verdict: the proxy {'reproduced' if not e3['failed'] else 'did NOT reproduce'} {what} (rule: the "
+            f"fault matrix's E3 targets for the pair: {rule}): divergence original {a['divergence_step']} / proxy "
+            f"{b['divergence_step']}, first alert {a['first_alert_step']} ({a['first_alert_family']}) / "
+            f"{b['first_alert_step']} ({b['first_alert_family']})"
+            + ("" if not e3["failed"] else "; missed: " + "; ".join(e3["failed"])))
+
+
 def e3_rows(cfg: dict, data: dict) -> list[dict]:
     """E3: per fault, the compare verdict of original vs proxy and the three targets separately."""
     rows = []
     for fault, c in data["comparisons"].items():
         a, b = c["a"], c["b"]
-        fa, fb = a["first_alert_step"], b["first_alert_step"]
-        within = None if fa is None or fb is None else abs(fb - fa) <= c["thresholds"]["alert_tolerance"] * fa
-        pearson_ok = fault != "none" or (c["loss"]["pearson"] or 0) >= c["thresholds"]["min_loss_pearson"]
-        alerts_ok = within if within is not None else (fa is None and fb is None)
-        failed = ([] if a["diverged"] == b["diverged"] else ["divergence outcome differs"]) + \
-            ([] if alerts_ok else ["first alerts differ"]) + ([] if pearson_ok else ["healthy loss Pearson < target"])
-        rows.append({"fault": fault, "result": "met" if not failed else "MISSED: " + "; ".join(failed),
+        e3 = e3_pair(fault, c)
+        rows.append({"fault": fault, "result": "met" if not e3["failed"] else "MISSED: " + "; ".join(e3["failed"]),
                      "div_a": a["divergence_step"], "div_b": b["divergence_step"],
-                     "same_div": a["diverged"] == b["diverged"], "alert_a": fa, "alert_b": fb,
-                     "fam_a": a["first_alert_family"], "fam_b": b["first_alert_family"], "within": within,
+                     "same_div": e3["same_div"], "alert_a": a["first_alert_step"], "alert_b": b["first_alert_step"],
+                     "fam_a": a["first_alert_family"], "fam_b": b["first_alert_family"], "within": e3["within"],
                      "pearson": c["loss"]["pearson"], "spearman": c["loss"]["spearman"],
                      "pearson_pre": c["loss_before_divergence"]["pearson"],
                      "verdict": c["verdict"], "reasons": c["reasons"]})
