@@ -116,15 +116,13 @@ def e3_pair(fault: str, c: dict) -> dict:
 
 def reproduction_verdict(fault: str, c: dict) -> str:
     """One line: did the proxy reproduce the original's outcome under `fault`, by `e3_pair` (the E3 targets)."""
-    e3, a, b = e3_pair(fault, c), c["a"], c["b"]
-    tol = c["thresholds"]["alert_tolerance"]
-    rule = (f"same divergence outcome, first alerts within ±{tol:.0%}" if fault != "none" else
-            f"same divergence outcome, first alerts within ±{tol:.0%}, loss Pearson ≥ {c['thresholds']['min_loss_pearson']}")
-    what = "the fault" if fault != "none" else "the healthy run"
-    return (f"verdict: the proxy {'reproduced' if not e3['failed'] else 'did NOT reproduce'} {what} (rule: the "
-            f"fault matrix's E3 targets for the pair: {rule}): divergence original {a['divergence_step']} / proxy "
-            f"{b['divergence_step']}, first alert {a['first_alert_step']} ({a['first_alert_family']}) / "
-            f"{b['first_alert_step']} ({b['first_alert_family']})"
+    e3, a, b, th = e3_pair(fault, c), c["a"], c["b"], c["thresholds"]
+    rule = f"same divergence outcome, first alerts within ±{th['alert_tolerance']:.0%}" + (
+        f", loss Pearson ≥ {th['min_loss_pearson']}" if fault == "none" else "")
+    return (f"verdict: the proxy {'reproduced' if not e3['failed'] else 'did NOT reproduce'} "
+            f"{'the healthy run' if fault == 'none' else 'the fault'} (rule: the fault matrix's E3 targets for the "
+            f"pair: {rule}): divergence original {a['divergence_step']} / proxy {b['divergence_step']}, first alert "
+            f"{a['first_alert_step']} ({a['first_alert_family']}) / {b['first_alert_step']} ({b['first_alert_family']})"
             + ("" if not e3["failed"] else "; missed: " + "; ".join(e3["failed"])))
 
 
