@@ -32,8 +32,10 @@ setup(
                  "import-linter", "deepspeed==0.19.8"],
         "tensorboard": ["tensorboard"],  # --tensorboard-dir of the trainer and the RL loop
         # matplotlib draws the plots; markdown-it-py renders the summary's markdown as HTML
-        "report": ["matplotlib", "markdown-it-py"],
+        # scipy: `compare`'s Pearson/Spearman
+        "report": ["matplotlib", "markdown-it-py", "scipy"],
         "npu": ["torch_npu"],
+        "yaml": ["pyyaml"],  # YAML monitor configs and `calibrate --out X.yaml` (JSON needs nothing)
         # xxhash: XXH3-128 digests of the source and the written proxy (SHA-256 fallback without it)
         "proxy": ["scipy", "scikit-learn", "tqdm", "xxhash"],
         # Hugging Face checkpoints for the converter: safetensors reads/verifies the shards (memory-mapped);
@@ -42,6 +44,11 @@ setup(
         # the DeepSpeed host (mindspeed_proxy.hosts.deepspeed); its CPU accelerator needs no compiler once
         # hosts.deepspeed.skip_shm_comm_build() declines the shared-memory comm op
         "deepspeed": ["deepspeed==0.19.8", "transformers==5.23.0"],
+        # Megatron-LM's train_rl.py (a checkout, not the megatron-core wheel) imports these at start: fastapi,
+        # uvicorn, httpx (its inference server), datasets (its HF agents), wandb (its logger), pyzmq (megatron-core's
+        # InferenceCoordinator), triton; transformers loads the tokenizer folder `write-tokenizer` writes
+        "rl": ["fastapi", "uvicorn", "httpx", "datasets", "wandb", "pyzmq", "triton", "transformers==5.23.0",
+               "pyyaml"],
     },
     entry_points={"console_scripts": ["mindspeed-proxy=mindspeed_proxy.cli:main"]},
 )

@@ -248,6 +248,14 @@ def main(argv=None) -> int:
     if not 1 <= fault_step <= steps:
         print(f"deepspeed_moe: --fault-step {fault_step} is outside 1..{steps}", file=sys.stderr)
         return 2
+    from mindspeed_proxy.extras import MissingExtra, require
+
+    try:
+        for module in ("deepspeed", "transformers"):
+            require(module, "examples/deepspeed_moe.py", extra="deepspeed")
+    except MissingExtra as exc:
+        print(f"deepspeed_moe: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in RUNS + ("healthy-hf", "proxy-hf"):  # this example's own outputs
         shutil.rmtree(os.path.join(args.work_dir, name), ignore_errors=True)

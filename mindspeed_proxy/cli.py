@@ -25,6 +25,8 @@ COMMANDS = {
                "a run's alerts under another detector config (RUN_DIR)"),
     "calibrate": ("mindspeed_proxy.report.calibrate_cli", "main", False,
                   "detector thresholds from healthy runs (RUN_DIR... --false-alarms-per-1000-steps R --out FILE)"),
+    "write-tokenizer": ("mindspeed_proxy.rl.tokenizer_dir", "main", True,
+                        "a character-level HF tokenizer folder for Megatron-LM's train_rl.py (DIR)"),
     "patches": ("mindspeed_proxy.patches.__main__", "main", False, "list the patch registry (--list)"),
 }
 
@@ -70,7 +72,12 @@ def main(argv=None) -> int:
     if entry is None:
         _usage(table, prog)
         return 0 if rest and rest[0] in ("-h", "--help") else 2
-    return entry(rest) or 0
+    from mindspeed_proxy.extras import MissingExtra
+
+    try:
+        return entry(rest) or 0
+    except MissingExtra as exc:
+        return error(prog, exc)
 
 
 if __name__ == "__main__":

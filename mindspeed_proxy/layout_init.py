@@ -101,8 +101,8 @@ def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _num_local_experts(model: torch.nn.Module, name: str) -> int:
-    layer = int(_LAYER.match(name).group(1)) if _LAYER.match(name) else None
-    decoder = _find_decoder(model)
-    local = next(l for l in decoder.layers if l.layer_number - 1 == layer)
-    return int(local.mlp.experts.num_local_experts)
+    """Experts per EP rank of any MoE layer, decoder or multi-token prediction (`mtp.layers.i.`)."""
+    from megatron.core import parallel_state as ps
+
+    return _find_decoder(model).config.num_moe_experts // ps.get_expert_model_parallel_world_size()
 

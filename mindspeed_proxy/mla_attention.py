@@ -18,12 +18,11 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 class MLADotProductAttention(DotProductAttention):
     """`DotProductAttention` that accepts MLA's `k_channels` (q/k head dim) and `v_channels` (value head dim)."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, k_channels: Optional[int] = None, v_channels: Optional[int] = None,
-                 cp_comm_type=None, pg_collection=None):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if softmax_scale is None and k_channels is not None:
+    def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
+        # the rest is DotProductAttention's own signature, which differs by line (0.13-0.14 `model_comm_pgs`,
+        # 0.15+ `pg_collection`); MLA passes every argument by keyword
+        super().__init__(*args, **kwargs)
+        if kwargs.get("softmax_scale") is None and k_channels is not None:
             self.softmax_scale = k_channels ** -0.5
         if v_channels is not None:  # forward views the context as [sq, b, hidden_size_per_partition]
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition

@@ -5,7 +5,9 @@ a machine without CUDA or NPU this installs the transfer-to-CPU layer, so Megatr
 run on CPU with gloo), applies the mindspeed-proxy patches (the monitor is enabled when
 --enable-mechanism-monitor is among the flags), then runs SCRIPT as `__main__` with the same argv,
 so an unmodified Megatron-LM / MindSpeed-LLM / example script trains with the monitor on.
-Megatron-LM's own parser learns our flags through the patched `parse_args`.
+Megatron-LM's own parser learns our flags through the patched `parse_args`. On the CPU platform a flag
+that needs an accelerator (CUDA graphs, unified memory, offloading: `mindspeed_proxy.cpu_flags`) is
+refused in one line, exit 2, before the platform is activated.
 """
 import os
 import runpy
@@ -22,6 +24,9 @@ def apply_from_argv(argv: list[str]) -> None:
     flags = monitor_flags_in(argv)
     config = monitor_config_from_args(flags) if flags.enable_mechanism_monitor else None
     patches.apply(config, enable_monitor=flags.enable_mechanism_monitor, faults=flags.inject_fault)
+    from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
+
+    apply_routing_replay(flags)  # again on Megatron-LM's parsed args (patched parse_args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         from mindspeed_proxy import platform
+        from mindspeed_proxy.cpu_flags import refusal
 
+        if platform.detect() == "cpu" and (reason := refusal(argv[1:])):
+            fail("mindspeed_proxy.run", reason)
         platform.activate()
         apply_from_argv(argv[1:])
     except UnsupportedVersionError as exc:  # its message is one line naming the version and the range

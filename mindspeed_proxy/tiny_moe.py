@@ -49,6 +49,7 @@ class TinyMoEConfig:
     qk_pos_emb_head_dim: int = 8
     v_head_dim: int = 16
     rope_type: str = "rope"  # MLA RoPE: "rope" or "yarn" (both run on CPU without fusion)
+    mtp_num_layers: Optional[int] = None  # DeepSeek-V3 multi-token prediction layers (on the last pipeline stage)
     extra: dict = field(default_factory=dict)  # any other TransformerConfig field
 
     def replace(self, **changes) -> "TinyMoEConfig":
@@ -120,6 +121,8 @@ def transformer_config(cfg: TinyMoEConfig):
             num_query_groups=cfg.num_attention_heads,  # MLA keys are per head (DotProductAttention repeats groups)
             kv_channels=cfg.v_head_dim,
         )
+    if cfg.mtp_num_layers:
+        kwargs.update(mtp_num_layers=cfg.mtp_num_layers)
     kwargs.update(cfg.extra)
     return (MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig)(**kwargs)
 
@@ -170,9 +173,10 @@ def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None)
     config = config or transformer_config(cfg)
     pre = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    spec = layer_spec(config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pre,
@@ -180,9 +184,20 @@ def build_model(cfg: TinyMoEConfig, config=None, vp_stage: Optional[int] = None)
         position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
+        mtp_block_spec=mtp_block_spec(config, spec, vp_stage),
     )
     if cfg.bf16 or cfg.fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
     return model
+
+
+def mtp_block_spec(config, spec, vp_stage: Optional[int] = None):
+    """megatron's MTP block spec (local backend, the decoder's last layer spec) on the stage that holds the MTP
+    layers, else None (as Megatron-LM's gpt_builder builds it)."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)

@@ -1,7 +1,8 @@
 """The only code that touches torch / megatron-core / MindSpeed internals (installed as `mindspeed_proxy.patches`).
 
 `apply(config)` switches the mechanism monitor on for megatron-core training in this process: it
-applies the registry rows of the `mechanism-monitor` feature, or, when MindSpeed is importable,
+applies the registry rows of the `mechanism-monitor` feature (and `mla-local-attention`: MLA on the
+local spec, patches/mla_local.py), or, when MindSpeed is importable,
 registers them by dotted path with MindSpeed's patch manager: MindSpeed applies them with its own when
 its adaptor is imported afterwards; when MindSpeed has applied its patches already, they are applied at
 once through the manager, so MindSpeed's decorator stacking holds. The MindSpeed feature-list route is
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from mindspeed_proxy.patches import watchdog
 from mindspeed_proxy.patches.mindspeed_manager import mindspeed_has_applied, mindspeed_manager, register_with_mindspeed
 from mindspeed_proxy.patches.registry import Applied, apply_feature
+from mindspeed_proxy.patches.rl_capture import CAPTURE
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 __all__ = ["apply", "active_monitor", "register_with_mindspeed", "Applied"]
@@ -29,6 +31,7 @@ class _RuntimeReset(Applied):
             self.reverted = True
             watchdog.disarm()
             RUNTIME.reset()
+            CAPTURE.__init__()
         return []
 
 
@@ -46,7 +49,7 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) 
     """
     from mindspeed_proxy.faults.spec import FaultSpec, parse_fault
     from mindspeed_proxy.monitor.config import MonitorConfig
-    from mindspeed_proxy.patches import fault_patches, monitor_patches
+    from mindspeed_proxy.patches import fault_patches, mla_local, monitor_patches
 
     RUNTIME.faults = [f if isinstance(f, FaultSpec) else parse_fault(f) for f in faults]
 
@@ -59,7 +62,8 @@ def apply(config: Optional[Any] = None, enable_monitor: bool = True, faults=()) 
             config = MonitorConfig.from_dict(config)
         RUNTIME.config = config
     monitor_patches.register_all()
-    features = [monitor_patches.FEATURE]
+    mla_local.register_all()
+    features = [monitor_patches.FEATURE, mla_local.FEATURE]
     if RUNTIME.faults:
         fault_patches.register_all()
         features.append(fault_patches.FEATURE)

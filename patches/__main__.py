@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches
+from mindspeed_proxy.patches import cpu_transfer, fault_patches, mla_local, monitor_patches
 from mindspeed_proxy.patches.registry import (MEGATRON_CORE_SUPPORTED, applies, megatron_core_version, resolve, table,
                                               within)
 
@@ -18,6 +18,7 @@ def main(argv=None) -> int:
     cpu_transfer._register_all()
     monitor_patches.register_all()
     fault_patches.register_all()
+    mla_local.register_all()
     version = megatron_core_version()
     supported = version is not None and within(version, MEGATRON_CORE_SUPPORTED)
     print(f"megatron-core {version} ({'supported' if supported else 'not supported'}: "

@@ -17,6 +17,11 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
   of split sizes (a no-op on CPU that must still return numpy when asked).
 - Device-property queries, CUDA_DEVICE_MAX_CONNECTIONS and the sequence-parallel torch norm that TP>1 /
   CP>1 need: `mindspeed_proxy.patches.cpu_parallel` (rows of this feature).
+- megatron-core's dynamic inference engine (flash-attn's paged-KV functions in torch, its sampling
+  generator, the triton K/V append): `mindspeed_proxy.patches.cpu_inference` (rows of this feature).
+- YaRN's `with torch.device(current_device())` (MLA's default rope): `mindspeed_proxy.patches.mla_local`.
+- Megatron-LM's `train_rl.py` training step (its default packed-sequence params, which only Transformer
+  Engine's attention takes): `mindspeed_proxy.patches.cpu_rl` (a row of this feature).
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -26,6 +31,7 @@ Numerics are untouched: every remap changes where a tensor lives or answers a qu
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -33,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches import cpu_parallel
+from mindspeed_proxy.patches import cpu_inference, cpu_parallel, cpu_rl, mla_local
 from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
                                               apply_feature, register, revert_feature)
 
@@ -201,6 +207,12 @@ def _const(value):
     return lambda _original: (lambda *a, **k: value)
 
 
+def _memory_stats(_original):
+    """No device memory on CPU: every counter of `torch.cuda.memory_stats()` reads 0 (megatron-core's inference
+    engine reads e.g. "allocated_bytes.all.current" when it suspends, resumes or logs a step)."""
+    return lambda device=None: collections.defaultdict(int)
+
+
 def _noop(_original):
     return lambda *a, **k: None
 
@@ -360,7 +372,7 @@ def _register_all() -> None:
         ("synchronize", _noop), ("empty_cache", _noop), ("memory_allocated", _const(0)),
         ("max_memory_allocated", _const(0)), ("memory_reserved", _const(0)),
         ("max_memory_reserved", _const(0)), ("reset_peak_memory_stats", _noop),
-        ("memory_stats", _const({})), ("current_stream", _const(_DEFAULT_STREAM)),
+        ("memory_stats", _memory_stats), ("current_stream", _const(_DEFAULT_STREAM)),
         ("default_stream", _const(_DEFAULT_STREAM)), ("set_stream", _noop),
         ("stream", _stream_ctx), ("Stream", _class(InertStream)), ("Event", _class(InertEvent)),
         ("get_rng_state", _get_rng_state), ("set_rng_state", _set_rng_state),
@@ -378,6 +390,12 @@ def _register_all() -> None:
                 "megatron-lm": MEGATRON_LM_SUPPORTED}
     for target, build, optional, key in cpu_parallel.rows():
         register(Patch(target, build, FEATURE, versions=versions[key], optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
+    for target, build, optional, versions in cpu_inference.rows():
+        register(Patch(target, build, FEATURE, versions=versions, optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
+    for target, build, optional, gate in mla_local.cpu_rows():
+        register(Patch(target, build, FEATURE, versions=gate, optional=optional,
                        description=build.__doc__.strip().splitlines()[0]))
     megatron_rows = [
         ("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_rng_state, False),
@@ -415,6 +433,9 @@ def _register_all() -> None:
         register(Patch(target, build, FEATURE, versions=versions[0] if versions else MEGATRON_LM_SUPPORTED,
                        optional=True,
                        description=(build.__doc__ or "").strip().splitlines()[0]))
+    for target, build, optional in cpu_rl.rows():
+        register(Patch(target, build, FEATURE, versions=MEGATRON_LM_SUPPORTED, optional=optional,
+                       description=build.__doc__.strip().splitlines()[0]))
 
 
 class _SameGeneratorFilter(logging.Filter):

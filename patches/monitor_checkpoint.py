@@ -50,7 +50,12 @@ def load_base_checkpoint_wrapper(original):
         if RUNTIME.monitor is not None and isinstance(state_dict, dict) and not getattr(args, "finetune", False):
             from mindspeed_proxy.monitor.state import KEY, MonitorPart
 
-            MonitorPart(RUNTIME.monitor).load_state_dict(state_dict.get(KEY), where=f"--load {load_dir}")
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
+            try:
+                MonitorPart(RUNTIME.monitor).load_state_dict(state_dict.get(KEY), where=f"--load {load_dir}")
+            except RunFolderError as exc:  # the checkpoint is not of the run in the monitor's output folder
+                RUNTIME.refuse(exc)
         return result
 
     return _load_base_checkpoint

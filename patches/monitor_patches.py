@@ -15,13 +15,17 @@
 - Megatron-LM's `save_checkpoint` / `load_checkpoint` keep the monitor's state: patches/monitor_checkpoint.py.
 - The monitor takes the TensorBoard / wandb writers of `RUNTIME.writers()`: ours (--tensorboard-dir of our
   trainer / RL loop), else Megatron-LM's own (`initialize_megatron` created them before the optimizer).
-- Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them).
+- Megatron-LM's `parse_args`: adds our flags to Megatron-LM's own parser (so `--help` lists them); with
+  `--mechanism-routing-replay r3` it sets `moe_enable_routing_replay` (megatron-core builds RouterReplay).
+- Megatron-LM's RL loop (train_rl.py): patches/rl_rows.py (the rl family and R3); `TopKRouter.routing` hands
+  every routing decision to its capture too.
 """
 from __future__ import annotations
 
 import functools
 
 from mindspeed_proxy.patches.registry import BEFORE_0_18, register_wrappers
+from mindspeed_proxy.patches.rl_capture import CAPTURE
 from mindspeed_proxy.patches.runtime import RUNTIME
 
 FEATURE = "mechanism-monitor"
@@ -57,10 +61,16 @@ def get_megatron_optimizer_wrapper(original):
         if RUNTIME.config is not None:
             from mindspeed_proxy.monitor import MechanismMonitor
 
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
             tensorboard_writer, wandb_writer = RUNTIME.writers()
-            RUNTIME.monitor = MechanismMonitor(RUNTIME.config, model_chunks, optimizer,
-                                               tensorboard_writer=tensorboard_writer,
-                                               wandb_writer=wandb_writer, iteration=RUNTIME.iteration or 0)
+            try:
+                RUNTIME.monitor = MechanismMonitor(
+                    RUNTIME.config, model_chunks, optimizer, tensorboard_writer=tensorboard_writer,
+                    wandb_writer=wandb_writer, iteration=RUNTIME.iteration or 0, resume=RUNTIME.resuming(),
+                    tensorboard_dir=RUNTIME.tensorboard_dir())
+            except RunFolderError as exc:  # another run's monitor.jsonl in the output folder: before training
+                RUNTIME.refuse(exc)
             if RUNTIME.faults:
                 RUNTIME.monitor.log_record({"type": "faults", "faults": [
                     {"name": f.name, **f.params} for f in RUNTIME.faults]})
@@ -84,6 +94,7 @@ def router_routing_wrapper(original):
         monitor = RUNTIME.monitor
         if monitor is not None and RUNTIME.phase == "train":
             monitor.on_router_logits(self.layer_number, logits, result[1])
+        CAPTURE.on_routing(self, result[0], result[1])
         return result
 
     return routing
@@ -114,7 +125,11 @@ def parse_args_wrapper(original):
         def provider(parser):
             parser = extra_args_provider(parser) if extra_args_provider is not None else parser
             return add_monitor_arguments(parser)
-        return original(extra_args_provider=provider, ignore_unknown_args=ignore_unknown_args)
+        args = original(extra_args_provider=provider, ignore_unknown_args=ignore_unknown_args)
+        from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
+
+        apply_routing_replay(args)
+        return args
 
     return parse_args
 
@@ -126,7 +141,12 @@ def load_checkpoint_wrapper(original):
     def load_checkpoint(*args, **kwargs):
         result = original(*args, **kwargs)
         if RUNTIME.monitor is not None:
-            RUNTIME.monitor.weights_loaded()
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
+            try:
+                RUNTIME.monitor.weights_loaded()
+            except RunFolderError as exc:  # the loaded checkpoint is not of the run in the output folder
+                RUNTIME.refuse(exc)
         return result
 
     return load_checkpoint
@@ -150,3 +170,6 @@ def register_all() -> None:
     from mindspeed_proxy.patches import monitor_checkpoint
 
     monitor_checkpoint.register_all()  # the monitor's state inside Megatron-LM's own checkpoints
+    from mindspeed_proxy.patches import rl_rows
+
+    rl_rows.register_all()  # Megatron-LM's RL loop: the rl family and R3

@@ -1,6 +1,8 @@
 """Process-wide state the patched Megatron functions read: the monitor config, the active monitor, the step."""
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Optional
 
 
@@ -15,7 +17,10 @@ class MonitorRuntime:
         self.phase = "train"  # "rollout" / "recompute" in an RL loop: only "train" passes feed the router family
         self.tensorboard_writer = None
         self.wandb_writer = None
+        self.resume: Optional[bool] = None  # a checkpoint of this run will be loaded (None: ask Megatron-LM's args)
         self.mindspeed_manager = None  # MindSpeed's patch manager when our rows went through it
+        self.routing_replay = "off"  # --mechanism-routing-replay: "r3" replays the rollout's experts (rl_rows.py)
+        self.rl_gap_interval, self.rl_gap_samples = 0, 8  # --mechanism-monitor-rl-gap-*: train_rl.py's gap
 
     def current_step(self) -> int:
         """1-based number of the optimizer step in progress (or just finished, inside its step()).
@@ -48,11 +53,45 @@ class MonitorRuntime:
             wandb = wandb if wandb is not None else global_vars.get_wandb_writer()
         return tensorboard, wandb
 
+    def resuming(self) -> bool:
+        """Whether a checkpoint load follows the optimizer (and the monitor): ours say so in `resume`; under
+        Megatron-LM, `--load` of a folder with a checkpoint tracker and no `--finetune`."""
+        if self.resume is not None:
+            return self.resume
+        args = megatron_lm_args()
+        load = getattr(args, "load", None)
+        return bool(load) and not getattr(args, "finetune", False) and \
+            os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt"))
+
+    def tensorboard_dir(self) -> Optional[str]:
+        """Megatron-LM's --tensorboard-dir (its writer lives on the last rank only), else None."""
+        return getattr(megatron_lm_args(), "tensorboard_dir", None) or None
+
+    def refuse(self, exc: Exception):
+        """Stop this launch before training: one line on rank 0 (every rank reached the same verdict), exit 2."""
+        import sys
+
+        import torch
+
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"mindspeed-proxy: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
     def reset(self) -> None:
         """Forget the monitor (tests, or a second model in the same process)."""
         if self.monitor is not None:
             self.monitor.close()
         self.__init__()
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Tell the patched router hooks and faults which pass runs (rollout / recompute / train)."""
+    previous, RUNTIME.phase = RUNTIME.phase, name
+    try:
+        yield
+    finally:
+        RUNTIME.phase = previous
 
 
 def megatron_lm_args():

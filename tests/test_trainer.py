@@ -78,6 +78,7 @@ def test_legacy_layout_matches_megatron_lm(tmp_path, tp, ep, folders):
         args = state["args"]
         assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (tp, ep)
         assert args.num_experts == 8 and args.world_size == 2
+        assert not [k for k in vars(args) if k.startswith("owns_")]  # process state stays out of saved args
         assert isinstance(state["rng_state"], list) and "rng_tracker_states" in state["rng_state"][0]
         experts = [k for k in state["model"] if ".local_experts." in k and k.endswith("linear_fc1.weight")]
         assert len(experts) == 2 * 8 // ep  # 2 MoE layers x local experts of this EP rank

@@ -28,6 +28,7 @@ import os
 
 import torch.distributed as dist
 
+from mindspeed_proxy.extras import require
 from mindspeed_proxy.hosts.hf_monitor import HFMonitor, dp_groups
 from mindspeed_proxy.monitor.config import MonitorConfig
 
@@ -68,6 +69,7 @@ def skip_shm_comm_build() -> bool:
 
     Call before `init_distributed` in every process; True when installed, False when the accelerator in use
     is not DeepSpeed's CPU one (a GPU or NPU keeps its own)."""
+    require("deepspeed", "mindspeed_proxy.hosts.deepspeed")
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
@@ -98,12 +100,24 @@ def zero3_gather(params):
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
 
 
+def engine_writers(engine) -> tuple:
+    """(TensorBoard SummaryWriter, wandb logger) of the engine's own monitor (the `"tensorboard"` / `"wandb"` blocks
+    of the DeepSpeed config; DeepSpeed creates them on rank 0), None where it has none."""
+    master = getattr(engine, "monitor", None)
+    tensorboard = getattr(getattr(master, "tb_monitor", None), "summary_writer", None)
+    wandb = getattr(master, "wandb_monitor", None)  # its log(data, step) writes on rank 0
+    return tensorboard, wandb
+
+
 class DeepSpeedMonitor(HFMonitor):
     """HFMonitor driven by a DeepSpeed engine: call `step()` after every `engine.step()` on every rank."""
 
     def __init__(self, engine, config, tensorboard_writer=None, wandb_writer=None):
         self.engine = engine
         group = getattr(engine, "data_parallel_group", None)
+        own_tensorboard, own_wandb = engine_writers(engine)
+        tensorboard_writer = tensorboard_writer if tensorboard_writer is not None else own_tensorboard
+        wandb_writer = wandb_writer if wandb_writer is not None else own_wandb
         super().__init__(monitor_config(config), engine.module, groups=dp_groups(group), gather=zero3_gather,
                          tensorboard_writer=tensorboard_writer, wandb_writer=wandb_writer,
                          iteration=engine.global_steps)
@@ -120,7 +134,8 @@ class DeepSpeedMonitor(HFMonitor):
 
 
 def attach_monitor(engine, config, tensorboard_writer=None, wandb_writer=None) -> DeepSpeedMonitor:
-    """Attach the mechanism monitor to a DeepSpeed engine wrapping a transformers MoE model (every rank)."""
+    """Attach the mechanism monitor to a DeepSpeed engine wrapping a transformers MoE model (every rank); its
+    scalars go to the engine's own TensorBoard / wandb writers unless others are given (or `sinks` omits them)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("attach_monitor: torch.distributed is not initialised (call deepspeed.initialize first)")
     return DeepSpeedMonitor(engine, config, tensorboard_writer, wandb_writer)

@@ -27,7 +27,6 @@ from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.monitor import STATISTICS, MechanismMonitor
 from mindspeed_proxy.monitor.router import RouterStats
-from mindspeed_proxy.monitor.sinks import build_sinks
 from mindspeed_proxy.monitor.spectral import qk_increment_spectra, singular_values_from_gram, update_gram
 from mindspeed_proxy.monitor.spectral_family import NSTAT, stats_vector
 
@@ -96,15 +95,14 @@ class HFMonitor(MechanismMonitor):
         self._failures, self._reported = {}, set()
         self._prev_load = None
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
-        self.sinks = build_sinks(cfg.sinks, cfg.output_dir, tensorboard_writer, wandb_writer) \
-            if self.is_logging_rank else []
         self.alerts, self.last = [], {}
         self.provenance_hook_calls, self.gap_cause = 0, None
         self._hooks = [layer.gate.register_forward_hook(self._gate_hook(layer.index, layer.deepspeed_moe))
                        for layer in t.layers if layer.gate is not None] if self.router_stats is not None else []
-        self._emit({"type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
-                    "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts,
-                    "host": "huggingface", "model_type": t.model_type})
+        self._open_run(tensorboard_writer, wandb_writer, False, None, {
+            "type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
+            "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts,
+            "host": "huggingface", "model_type": t.model_type})
         self._snapshot_taken = False  # the same on every rank (a rank may own no layer, so hold no snapshot)
         if cfg.snapshot_step(iteration):
             self._take_snapshots()

@@ -28,6 +28,15 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        help="sample every N-th step in the window (default 1)")
     group.add_argument("--mechanism-monitor-expert-features-steps", type=int, default=None, metavar="N",
                        help="number of sampled steps in the window (default 1)")
+    group.add_argument("--mechanism-routing-replay", choices=["off", "r3"], default="off",
+                       help="r3: Megatron-LM train_rl.py replays the experts its inference engine chose at rollout "
+                            "in every training-side pass (megatron-core RouterReplay; docs/megatron_lm.md)")
+    group.add_argument("--mechanism-monitor-rl-gap-interval", type=int, default=0, metavar="N",
+                       help="Megatron-LM train_rl.py: every N-th rollout collection also split the train-rollout "
+                            "logprob gap into expert flips, routing weights and the rest (3 extra no-grad forwards "
+                            "of --mechanism-monitor-rl-gap-samples rows per rank); 0 = off")
+    group.add_argument("--mechanism-monitor-rl-gap-samples", type=int, default=8, metavar="N",
+                       help="rows per rank the gap decomposition runs on")
     group.add_argument("--inject-fault", action="append", default=[], metavar="NAME[:key=value,...]",
                        help="fault injector, repeatable: lowp-attention, lr-spike, small-gbs, router-bf16, "
                             "grad-overflow (see docs/faults.md)")

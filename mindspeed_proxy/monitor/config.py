@@ -14,6 +14,7 @@ ROUTER_TOKEN_METRICS = ("entropy", "normalized_entropy", "load_entropy", "max_ov
                         "overload", "margin", "winner_persistence")
 ROUTER_WEIGHT_METRICS = ("similarity", "conditioning_ratio")
 UPDATE_MATRICES = ("linear_qkv", "linear_proj", "router", "experts", "dense_mlp")
+SINKS = ("jsonl", "tensorboard", "wandb")  # the default sinks; csv is the other one
 DEFAULT_DELTA = 100  # δ when none is given: min(DEFAULT_DELTA, interval)
 
 
@@ -60,7 +61,10 @@ class MonitorConfig:
     detect_scopes: dict[str, list[str]] = field(default_factory=lambda: {
         "attention-spectral": ["layer"], "update-spectral": ["layer"], "router": ["layer"], "rl": ["mean"]})
     output_dir: str = "mechanism_monitor"
-    sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # jsonl, csv, tensorboard, wandb
+    # where results go: files jsonl, csv in output_dir; tensorboard, wandb: the run's own writers when it has them
+    # (Megatron-LM's --tensorboard-dir / --wandb-project, our --tensorboard-dir, DeepSpeed's monitor config);
+    # leave them out to keep the monitor's scalars out of the run's writers
+    sinks: list[str] = field(default_factory=lambda: list(SINKS))
     log_rank: int = 0  # global rank that writes sinks (all ranks hold identical results)
     per_head_records: bool = True  # JSONL carries per-head QK statistics, not only layer aggregates
     # expert features for convert_to_proxy.py (--features FILE, --usage-file): every expert applied to every
@@ -217,8 +221,12 @@ class MonitorConfig:
             raise ValueError(f"monitor config {path}: no such file")
         with open(path, encoding="utf-8") as fh:
             if path.endswith((".yaml", ".yml")):
-                import yaml
+                from mindspeed_proxy.extras import MissingExtra, require
 
+                try:
+                    yaml = require("yaml", f"monitor config {path}")
+                except MissingExtra as exc:
+                    raise ValueError(str(exc)) from None
                 data = yaml.safe_load(fh) or {}
             else:
                 data = json.load(fh)

@@ -17,8 +17,9 @@ from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import GAP_CAUSES, ROUTING_MISMATCH, Alert, DetectorBank
 from mindspeed_proxy.monitor.expert_features import ExpertFeatureCollector
+from mindspeed_proxy.monitor.outputs import RunOutputs
 from mindspeed_proxy.monitor.router import RouterStats, router_weight_stats, winner_persistence
-from mindspeed_proxy.monitor.sinks import WRITER_SINKS, build_sinks, scalar_tags
+from mindspeed_proxy.monitor.sinks import scalar_tags
 from mindspeed_proxy.monitor.spectral_family import SpectralFamilies
 from mindspeed_proxy.monitor.targets import collect
 from mindspeed_proxy.monitor.threads import single_threaded
@@ -40,11 +41,12 @@ def _model_config(chunk):
     return chunk.config
 
 
-class MechanismMonitor(SpectralFamilies):
+class MechanismMonitor(RunOutputs, SpectralFamilies):
     """The mechanism monitor of one training job (construct on every rank, same config everywhere)."""
 
     def __init__(self, config, model, optimizer=None, process_groups: Optional[R.MonitorGroups] = None,
-                 tensorboard_writer=None, wandb_writer=None, iteration: int = 0):
+                 tensorboard_writer=None, wandb_writer=None, iteration: int = 0, resume: bool = False,
+                 tensorboard_dir: Optional[str] = None):
         self.config = config if isinstance(config, MonitorConfig) else MonitorConfig.from_dict(dict(config or {}))
         self.model_chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.groups = process_groups or R.MonitorGroups.from_parallel_state()
@@ -74,16 +76,13 @@ class MechanismMonitor(SpectralFamilies):
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
-        # files on the logging rank; a TensorBoard / wandb writer on whichever rank its owner created it (Megatron-LM:
-        # the last rank), since every rank holds the same results
-        self.sinks = build_sinks(cfg.sinks if self.is_logging_rank else [k for k in cfg.sinks if k in WRITER_SINKS],
-                                 cfg.output_dir, tensorboard_writer, wandb_writer)
         self.alerts: list = []
         self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)
         self.gap_cause: Optional[str] = None  # dominant term of the last gap decomposition fed to the rl family
         self.last: dict[str, dict] = {}
-        self._emit({"type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
-                    "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts})
+        self._open_run(tensorboard_writer, wandb_writer, resume, tensorboard_dir, {
+            "type": "config", "config": cfg.to_dict(), "slots": t.slots, "iteration": iteration,
+            "num_layers": t.num_layers, "num_heads": t.num_heads, "num_experts": t.num_experts})
         if cfg.snapshot_step(iteration):  # e.g. δ = interval: the first ΔW spans steps 0..interval
             self._take_snapshots()
 
@@ -122,7 +121,9 @@ class MechanismMonitor(SpectralFamilies):
 
     def after_optimizer_step(self, iteration: int) -> None:
         """Run what is due after a successful optimizer step `iteration` (1-based, Megatron's count)."""
+        self.last_step = iteration
         try:
+            self._settle(None, None, strict=False)  # no load came although one was expected: too late to refuse
             if not self._any_due(iteration):  # most steps: skip even the thread-limit switch (~0.1 ms)
                 return
             with single_threaded():  # small calls at the trainer's thread count got slower (threads.py)
@@ -286,6 +287,9 @@ class MechanismMonitor(SpectralFamilies):
         return alert
 
     def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, relabel=None) -> None:
+        name = self.targets.label  # MTP rows published as `mtp.N`
+        records = {name(layer): r for layer, r in records.items()}
+        per_layer = {m: {name(layer): v for layer, v in layers.items()} for m, layers in per_layer.items()}
         self.last[family] = {"step": iteration, "layers": records}
         series = self.config.detection_series(family, per_layer)
         alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
@@ -298,24 +302,21 @@ class MechanismMonitor(SpectralFamilies):
         for sink in self.sinks:
             sink.scalars(iteration, tags)
 
-    def log_record(self, record: dict) -> None:
-        """Write a caller's record (e.g. the injected faults) to the sinks of the logging rank."""
-        self._emit(record)
-
-    def _emit(self, record: dict) -> None:
-        for sink in self.sinks:
-            sink.write(record)
-
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        """Detector state, disabled statistics and the last router load (snapshots are not saved)."""
-        return {"version": 1, "spectral_detectors": self.spectral_detectors.state_dict(),
+        """Detector state, disabled statistics, the last router load, the run id and last step (no snapshots)."""
+        return {"version": 1, "run_id": self.run_log.run_id, "step": self.last_step,
+                "spectral_detectors": self.spectral_detectors.state_dict(),
                 "router_detectors": self.router_detectors.state_dict(),
                 "rl_detectors": self.rl_detectors.state_dict(), "disabled": sorted(self.disabled),
                 "prev_load": None if self._prev_load is None else self._prev_load.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output (the next ΔW sample waits for a fresh snapshot)."""
+        """Restore `state_dict()` output (the next ΔW sample waits for a fresh snapshot); the run continues the
+        saved run (RunFolderError when the output folder holds another)."""
+        self._settle(state.get("run_id"), state.get("step"))
+        if isinstance(state.get("step"), int):
+            self.last_step = state["step"]
         self.spectral_detectors.load_state_dict(state["spectral_detectors"])
         self.router_detectors.load_state_dict(state["router_detectors"])
         if "rl_detectors" in state:
@@ -339,7 +340,9 @@ class MechanismMonitor(SpectralFamilies):
         if "expert-features" in self.disabled or not self.is_logging_rank:
             return
         try:
-            self._emit(features.write(self.config.output_dir, reduced))
+            # keyed as the converter's FILE inputs name layers: the global decoder layer, or mtp.N
+            self._emit(features.write(self.config.output_dir,
+                                      {self.targets.label(layer): v for layer, v in reduced.items()}))
         except Exception:
             self._fail("expert-features")
             self._report()
@@ -352,6 +355,7 @@ class MechanismMonitor(SpectralFamilies):
             except Exception:
                 self._fail("expert-features")
                 self._report()
+        self._settle(None, None, strict=False)
         for sink in self.sinks:
             sink.close()
         self.sinks = []

@@ -1,7 +1,9 @@
-"""Where monitor results go: JSONL (always), CSV, and TensorBoard / wandb writer objects passed in.
+"""Where monitor results go: JSONL, CSV, and the run's own TensorBoard / wandb writers (objects passed in).
 
-Tags follow `mechanism/{family}/{metric}/layer_{i}` plus per-family aggregates over layers
-(`mechanism/{family}/{metric}/mean|min|max`).
+One tag scheme, `mechanism/{family}/{statistic}/{layer}`: layer is `layer_{i}` (global, 0-based), `mean|min|max`
+over the layers of the sample, or `all` for a value of no single layer (the rl family's layer-free metrics);
+statistic is `term/stat` (attention-spectral), `slot/stat` (update-spectral) or `stat`. Alerts are text
+(`mechanism/alerts`) plus a marker scalar `mechanism/{family}/alerts/count` at each step that raised any.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ def scalar_tags(family: str, per_layer: dict[str, dict[int, float]]) -> dict[str
     """Flatten {metric: {layer: value}} into tag -> value, with mean/min/max over layers."""
     tags: dict[str, float] = {}
     for metric, layers in per_layer.items():
-        values = [v for v in layers.values() if _finite(v) is not None]
+        values = [v for k, v in layers.items() if k is not None and _finite(v) is not None]
         for layer, value in layers.items():
-            tags[f"mechanism/{family}/{metric}/layer_{layer}"] = value
+            tags[f"mechanism/{family}/{metric}/{'all' if layer is None else f'layer_{layer}'}"] = value
         if values:
             tags[f"mechanism/{family}/{metric}/mean"] = sum(values) / len(values)
             tags[f"mechanism/{family}/{metric}/min"] = min(values)
@@ -91,15 +93,31 @@ class WriterSink:
 
     def __init__(self, writer):
         self.writer = writer
+        self._markers: dict[tuple, int] = {}  # (family, step) -> alerts so far
 
     def write(self, record: dict[str, Any]) -> None:
-        """Alerts become text on TensorBoard; wandb logs them as a dict."""
-        if record.get("type") == "alert" and hasattr(self.writer, "add_text"):
-            self.writer.add_text("mechanism/alerts", json.dumps(_scrub(record)), record.get("step", 0))
+        """An alert becomes text (`mechanism/alerts`) and a marker `mechanism/{family}/alerts/count` at its step."""
+        if record.get("type") != "alert":
+            return
+        step, family = int(record.get("step") or 0), record.get("family", "monitor")
+        self._markers[(family, step)] = self._markers.get((family, step), 0) + 1  # written with the next scalars
+        text = json.dumps(_scrub(record))
+        if hasattr(self.writer, "add_text"):
+            self.writer.add_text("mechanism/alerts", text, step)
+        elif hasattr(self.writer, "log"):
+            self.writer.log({"mechanism/alerts": text}, step=step)
+
+    def _flush_markers(self) -> None:
+        markers, self._markers = self._markers, {}
+        for (family, step), count in sorted(markers.items(), key=lambda kv: kv[0][1]):
+            self._log(step, {f"mechanism/{family}/alerts/count": count})
 
     def scalars(self, step: int, tags: dict[str, float]) -> None:
-        """Log every tag at `step`."""
-        finite = {t: v for t, v in tags.items() if _finite(v) is not None}
+        """Log every tag at `step` (and the alert markers of the sample just written)."""
+        self._flush_markers()
+        self._log(step, {t: v for t, v in tags.items() if _finite(v) is not None})
+
+    def _log(self, step: int, finite: dict) -> None:
         if hasattr(self.writer, "add_scalar"):
             for tag, value in finite.items():
                 self.writer.add_scalar(tag, value, step)
@@ -107,7 +125,8 @@ class WriterSink:
             self.writer.log(finite, step=step)
 
     def close(self) -> None:
-        """Flush (the writer's owner closes it)."""
+        """Write pending alert markers and flush (the writer's owner closes it)."""
+        self._flush_markers()
         flush = getattr(self.writer, "flush", None)
         if callable(flush):
             flush()
@@ -116,8 +135,14 @@ class WriterSink:
 WRITER_SINKS = ("tensorboard", "wandb")  # sinks that write to a writer object someone else owns
 
 
+def writer_dir(writer) -> Optional[str]:
+    """The absolute folder of a TensorBoard SummaryWriter (None for anything else)."""
+    folder = getattr(writer, "log_dir", None) or (writer.get_logdir() if hasattr(writer, "get_logdir") else None)
+    return os.path.abspath(folder) if isinstance(folder, str) else None
+
+
 def build_sinks(kinds: Iterable[str], output_dir: str, tensorboard_writer=None, wandb_writer=None) -> list:
-    """Sinks named in `kinds`; tensorboard/wandb only when a writer object is given."""
+    """Sinks named in `kinds`; tensorboard/wandb only when the run has that writer (else nothing for them)."""
     sinks: list = []
     for kind in kinds:
         if kind == "jsonl":

@@ -8,6 +8,8 @@ highest-precision copy available: the fp32 main param of Megatron's (non-distrib
 optimizer when it has one, else the model param itself (fp32 training: it is the master; the
 distributed optimizer keeps only a DP shard of the fp32 copy, so its bf16 model param is used).
 MLA layers have no `linear_qkv` slot: their q/kv projections feed the attention-spectral family only.
+Multi-token prediction layers (DeepSeek-V3's MTP block) are the rows after the decoder's: megatron numbers the
+MTP transformer layer i `num_layers + i + 1`, and the monitor labels it `mtp.i` (ModelTargets.label).
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ class ModelTargets:
     weights: list[WeightTarget] = field(default_factory=list)
     attention: list[AttentionTarget] = field(default_factory=list)
     routers: dict[int, torch.nn.Module] = field(default_factory=dict)
+    num_decoder_layers: Optional[int] = None  # rows from here on are MTP layers (None: num_layers)
+
+    def label(self, layer):
+        """The published name of table row `layer`: the global decoder layer, or `mtp.N` for an MTP layer."""
+        first = self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+        return f"mtp.{layer - first}" if isinstance(layer, int) and layer >= first else layer
 
 
 def sampled_experts(num_experts: int, count: int) -> list[int]:
@@ -78,9 +86,11 @@ def main_param_map(optimizer) -> dict[int, torch.Tensor]:
 
 
 def _decoder_layers(chunk: torch.nn.Module):
+    """The chunk's decoder layers, then the transformer layers of its multi-token prediction block (if any)."""
     while not hasattr(chunk, "decoder"):
         chunk = chunk.module
-    return chunk.decoder.layers
+    mtp = getattr(chunk, "mtp", None)
+    return list(chunk.decoder.layers) + ([m.transformer_layer for m in mtp.layers] if mtp is not None else [])
 
 
 def collect(model_chunks, config, matrices: list[str], experts_per_layer: int, optimizer=None,
@@ -92,8 +102,10 @@ def collect(model_chunks, config, matrices: list[str], experts_per_layer: int, o
     expert_ids = sampled_experts(num_experts, experts_per_layer) if "experts" in matrices else []
     slots = ["linear_qkv", "linear_proj", "router", "mlp.fc1", "mlp.fc2"]
     slots += [f"expert{e}.{fc}" for e in expert_ids for fc in ("fc1", "fc2")]
-    targets = ModelTargets(num_layers=config.num_layers, num_heads=config.num_attention_heads,
-                           num_experts=num_experts, topk=config.moe_router_topk or 0, slots=slots)
+    mtp_layers = getattr(config, "mtp_num_layers", None) or 0
+    targets = ModelTargets(num_layers=config.num_layers + mtp_layers, num_heads=config.num_attention_heads,
+                           num_experts=num_experts, topk=config.moe_router_topk or 0, slots=slots,
+                           num_decoder_layers=config.num_layers)
     mains = main_param_map(optimizer)
 
     def reader(param, transpose=False, view=None):

@@ -6,6 +6,7 @@ import os
 import warnings
 from typing import Optional
 
+from mindspeed_proxy.extras import MissingExtra
 from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
@@ -148,6 +149,6 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
 
             write_features_file(args.save_features, plan.vectors)
             print(f"features written to {args.save_features}")
-    except ConversionError as exc:
+    except (ConversionError, MissingExtra) as exc:
         return error(prog, exc)
     return 0

@@ -48,7 +48,7 @@ def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Calla
     layers = ckpt.layers if progress is None else progress(ckpt.layers)
     for index, layer in enumerate(layers):
         if plan.vectors:
-            sim = similarity.similarity_from_vectors(plan.vectors[layer.global_layer])
+            sim = similarity.similarity_from_vectors(plan.vectors[layer.id])
         else:
             grams = weight_grams(ckpt, layer)
             found = nonfinite.confirm(ckpt, layer, nonfinite.suspects_from_grams(grams))
@@ -193,10 +193,10 @@ def read_usage(path: str, layers, num_experts: int) -> dict:
     raw = read_json_object(path, f"--usage-file {path}", "an object {layer: [count per expert]}")
     out = {}
     for layer in layers:
-        counts = raw.get(str(layer.global_layer))
+        counts = raw.get(str(layer.id))
         if not isinstance(counts, list) or len(counts) != num_experts or \
                 not all(isinstance(c, (int, float)) and c >= 0 for c in counts):
-            raise ConversionError(f"--usage-file {path}: layer {layer.global_layer} needs a list of "
+            raise ConversionError(f"--usage-file {path}: layer {layer.id} needs a list of "
                                   f"{num_experts} non-negative counts")
         out[layer] = counts
     return out

@@ -101,6 +101,19 @@ def count(s: ModelSpec, k: Optional[int] = None) -> dict:
             "experts": sum(e for _, e, _ in layers), "embedding": emb + out}
 
 
+def mtp_count(s: ModelSpec, k: Optional[int] = None) -> dict:
+    """Parameters of the multi-token prediction module with `k` experts per MoE layer, as Megatron stores it
+    (megatron-core's MultiTokenPredictionLayer: enorm, hnorm, eh_proj [h, 2h], one transformer layer built
+    from the decoder's last layer spec, final norm; embedding and output layer shared with the model).
+    Kept out of `count`, as the published totals keep it out (DeepSeek-V3: 671B without its MTP module)."""
+    k = s.num_experts if k is None else k
+    if not s.mtp_layers:
+        return {"total": 0, "experts": 0}
+    dense, experts, _ = layer_params(s, s.num_layers - 1, k)
+    per = dense + experts + 3 * norm_params(s, s.hidden) + 2 * s.hidden * s.hidden
+    return {"total": s.mtp_layers * per, "experts": s.mtp_layers * experts}
+
+
 def flops_per_token(s: ModelSpec, k: int, seq: int, recompute: bool = False) -> float:
     """Training FLOPs per token: 6 x matmul parameters a token meets (+2 x with full recompute) plus causal
     attention scores 3 x heads x (d_qk + d_v) x seq per layer (x4/3 with recompute); embedding lookup is free."""
@@ -256,6 +269,7 @@ def evaluate(s: ModelSpec, layout: Layout, run: Run) -> dict:
     step = step_seconds(s, layout, run)
     return {"K": layout.num_experts, "ep": layout.ep, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
             "ranks": layout.world_size, "params": c["total"], "active": c["active"], "memory": mem,
+            "mtp": mtp_count(s, layout.num_experts),
             "fits": mem["total"] <= USABLE * run.memory_gib * GIB,
             "flops_per_token": flops_per_token(s, layout.num_experts, run.seq_length), "step": step,
             "cost": layout.world_size * step["total"]}
@@ -339,4 +353,10 @@ def describe(result: dict, s: ModelSpec, run: Run) -> str:
     lines += [_row("proxy", r) for r in result["proxies"]]
     if not result["proxies"]:
         lines.append("(EP is 1: no smaller EP; pass --target-num-experts K to plan a proxy at EP 1)")
+    if s.mtp_layers:
+        rows = [("original", result["original"])] + [("proxy", r) for r in result["proxies"] if "refused" not in r]
+        lines += ["", f"MTP module ({s.mtp_layers} layer(s), not in params above, as the published totals; its MoE "
+                  "pruned to K like the decoder's; embedding and output layer shared): " + "; ".join(
+                      f"{name} K={r['K']} EP={r['ep']}: {_b(r['mtp']['total'])} (routed experts {_b(r['mtp']['experts'])})"
+                      for name, r in rows)]
     return "\n".join(lines)

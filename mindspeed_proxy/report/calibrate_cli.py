@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from mindspeed_proxy.cli import error
+from mindspeed_proxy.extras import MissingExtra, require
 from mindspeed_proxy.monitor.calibration import FORMS, TAILS, CalibrationError, calibrate_statistics
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import FAMILIES
@@ -91,8 +92,6 @@ def write_config(config: MonitorConfig, out: str) -> None:
     """Write `config` as YAML (.yaml/.yml) or JSON, by temporary name and rename."""
     import json
 
-    import yaml
-
     data = config.to_dict()
     data.pop("output_dir", None)
     folder = os.path.dirname(os.path.abspath(out))
@@ -100,7 +99,7 @@ def write_config(config: MonitorConfig, out: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             if out.endswith((".yaml", ".yml")):
-                yaml.safe_dump(data, fh, sort_keys=False)
+                require("yaml", f"--out {out}").safe_dump(data, fh, sort_keys=False)
             else:
                 json.dump(data, fh, indent=1)
         os.replace(tmp, out)
@@ -159,6 +158,8 @@ def main(argv=None) -> int:
     """Entry point of `calibrate`: print per-statistic thresholds and held-out rates; exit 2 on bad input."""
     args = parse(argv)
     try:
+        if args.out and args.out.endswith((".yaml", ".yml")):
+            require("yaml", f"--out {args.out}")
         rate, forms, runs, held, config, series, stats = prepare(args)
         steps = sum(run_steps(r) for r in runs) / len(runs)
         q_total = rate * steps / 1000.0
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
                     "tuning_run_dirs": [os.path.basename(os.path.normpath(p)) for p in args.run_dirs],
                     "uncalibrated": skipped}
             candidates[form] = (results, calibrated_config(config, results, meta))
-    except (RunError, ValueError, TypeError, CalibrationError) as exc:
+    except (RunError, ValueError, TypeError, CalibrationError, MissingExtra) as exc:
         return error("mindspeed-proxy calibrate", exc)
     print(f"{len(runs)} tuning runs, {steps:.0f} steps each on average; budget {rate:g} per 1000 steps = "
           f"{q_total:.4g} per run, split over {len(stats)} statistics")

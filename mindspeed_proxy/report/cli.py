@@ -6,6 +6,7 @@ import json
 import sys
 
 from mindspeed_proxy.cli import error
+from mindspeed_proxy.extras import MissingExtra, require
 from mindspeed_proxy.report.runs import RunError, load_run
 
 
@@ -15,6 +16,11 @@ def main(argv=None) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     args = parser.parse_args(argv)
+    try:  # before anything is written
+        require("matplotlib", "mindspeed-proxy report")
+        require("markdown_it", "mindspeed-proxy report")
+    except MissingExtra as exc:
+        return error("mindspeed-proxy report", exc)
     try:
         load_run(args.run_dir)  # validate before creating anything
     except RunError as exc:
@@ -34,6 +40,10 @@ def compare_main(argv=None) -> int:
     parser.add_argument("run_b")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
+    try:
+        require("scipy.stats", "mindspeed-proxy compare")
+    except MissingExtra as exc:
+        return error("mindspeed-proxy compare", exc)
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
     except RunError as exc:

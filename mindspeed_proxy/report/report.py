@@ -124,6 +124,7 @@ def summarize(run: Run, rule: DivergenceRule = DivergenceRule()) -> dict:
     return {
         "run_dir": str(run.path),
         "steps": len(run.steps),
+        "loss_source": run.loss_source,
         "last_step": run.steps[-1] if run.steps else None,
         "faults": run.faults,
         "divergence_rule": rule.as_dict(),
@@ -145,7 +146,7 @@ def _markdown(s: dict, plots: list[str]) -> str:
     div, fa = s["divergence_step"], s["first_alert"]
     first = "no alerts" if fa is None else f"step {fa['step']} ({fa['family']}: {fa['metric']}, {layer_label(fa['layer'])})"
     lines = [f"# Run report: `{s['run_dir']}`", "",
-             f"- steps: {s['steps']} (last {s['last_step']})",
+             f"- steps: {s['steps']} (last {s['last_step']}; loss from {s['loss_source']})",
              f"- faults: {', '.join(f.get('name', '?') + ' @ ' + str(f.get('start')) for f in s['faults']) or 'none'}",
              "- divergence: " + ("no divergence" if div is None else f"step {div} ({s['divergence_reason']})"),
              f"- first alert: {first}",

@@ -1,10 +1,13 @@
-"""Load a run directory (`metrics.jsonl` + `mechanism_monitor/monitor.jsonl`) into plain series."""
+"""Load a run directory (`metrics.jsonl` + `mechanism_monitor/monitor.jsonl`), or a monitor output folder (its
+`monitor.jsonl`, the loss from the TensorBoard event files it recorded), into plain series."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+from mindspeed_proxy.monitor.run_log import FILE, TwoRunsError, numbered_records, one_run
 
 FAMILIES = ("attention-spectral", "update-spectral", "router")
 # the one metric per family that the aggregate curve and the heatmap show
@@ -12,7 +15,7 @@ HEADLINE = {"attention-spectral": "delta2/entropy", "update-spectral": "linear_q
 
 
 class RunError(ValueError):
-    """A run directory that cannot be read (missing, or without metrics.jsonl)."""
+    """A run directory that cannot be read (missing, neither metrics.jsonl nor monitor.jsonl, two runs in one)."""
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Run:
     samples: dict[str, list[dict]] = field(default_factory=dict)  # family -> [{"step", "layers"}]
     alerts: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    tensorboard_dir: Optional[str] = None  # where the monitor's TensorBoard scalars went (its config record)
+    loss_source: str = "metrics.jsonl"
 
     def first_alert(self, family: str | None = None) -> dict | None:
         """The earliest alert (of `family`, if given), or None."""
@@ -46,43 +51,48 @@ def _float(value) -> float:
 
 def _read_jsonl(path: Path) -> list[dict]:
     """Records of a JSONL file, skipping blank or truncated lines (a run killed mid-write)."""
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return [record for _, record in numbered_records(str(path))]
+
+
+def monitor_file(run_dir: Path) -> Optional[Path]:
+    """The monitor.jsonl of a run: `RUN/mechanism_monitor/` (our trainer's log dir) or `RUN/` itself (a monitor
+    output folder, e.g. `--mechanism-monitor-output` of a Megatron-LM run); None when there is neither."""
+    for candidate in (run_dir / "mechanism_monitor" / FILE, run_dir / FILE):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def load_run(run_dir) -> Run:
-    """Read `run_dir` into a Run; raises RunError when the directory or metrics.jsonl is missing."""
+    """Read `run_dir` (our trainer's log dir, or a monitor output folder) into a Run; RunError when it is neither,
+    or when its monitor.jsonl holds two runs (naming the line where the second starts)."""
     path = Path(run_dir)
     if not path.is_dir():
         raise RunError(f"{path}: not a directory")
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        raise RunError(f"{path}: no metrics.jsonl (not a run directory of examples/train_moe.py)")
+    metrics, monitor = path / "metrics.jsonl", monitor_file(path)
+    if not metrics.is_file() and monitor is None:
+        raise RunError(f"{path}: no metrics.jsonl and no monitor.jsonl (neither a run directory of "
+                       "examples/train_moe.py nor a mechanism monitor output folder)")
     run = Run(path=path)
-    by_step: dict[int, dict] = {}
-    for rec in _read_jsonl(metrics):
-        if rec.get("type") == "args":
-            run.args = rec.get("args", {})
-        elif rec.get("type") == "step" and "iteration" in rec:
-            by_step[int(rec["iteration"])] = rec  # a resumed run repeats steps: the last record wins
-    for step in sorted(by_step):
-        run.steps.append(step)
-        run.loss.append(_float(by_step[step].get("loss")))
-        run.grad_norm.append(_float(by_step[step].get("grad_norm")))
-    monitor = path / "mechanism_monitor" / "monitor.jsonl"
-    if monitor.is_file():
-        for rec in _read_jsonl(monitor):
+    if metrics.is_file():
+        by_step: dict[int, dict] = {}
+        for rec in _read_jsonl(metrics):
+            if rec.get("type") == "args":
+                run.args = rec.get("args", {})
+            elif rec.get("type") == "step" and "iteration" in rec:
+                by_step[int(rec["iteration"])] = rec  # a resumed run repeats steps: the last record wins
+        _set_steps(run, {s: r.get("loss") for s, r in by_step.items()},
+                   {s: r.get("grad_norm") for s, r in by_step.items()})
+    if monitor is not None:
+        try:
+            records = one_run(numbered_records(str(monitor)), str(monitor))
+        except TwoRunsError as exc:
+            raise RunError(str(exc)) from None
+        for rec in records:
             kind = rec.get("type")
             if kind == "config":
                 run.config = rec.get("config", {})
+                run.tensorboard_dir = rec.get("tensorboard_dir")
             elif kind == "faults":
                 run.faults = rec.get("faults", [])
             elif kind == "sample" and rec.get("family"):
@@ -91,9 +101,35 @@ def load_run(run_dir) -> Run:
                 run.alerts.append(rec)
             elif kind == "monitor-error":
                 run.errors.append(rec)
+    if not metrics.is_file():
+        _loss_from_tensorboard(run)
     for fam in run.samples.values():
         fam.sort(key=lambda s: s["step"])
     return run
+
+
+def _set_steps(run: Run, loss: dict, grad_norm: dict) -> None:
+    for step in sorted(loss):
+        run.steps.append(step)
+        run.loss.append(_float(loss[step]))
+        run.grad_norm.append(_float(grad_norm.get(step)))
+
+
+def _loss_from_tensorboard(run: Run) -> None:
+    """A monitor folder's loss: the event files the monitor wrote its scalars to (its config record says where)."""
+    from mindspeed_proxy.report.event_file import has_event_files, read_loss
+
+    if not has_event_files(run.tensorboard_dir):
+        run.loss_source = "none (no metrics.jsonl, no TensorBoard event file recorded)"
+        return
+    try:
+        tag, loss, grad = read_loss(run.tensorboard_dir)
+    except ImportError:
+        run.loss_source = f"none ({run.tensorboard_dir} not read: needs the tensorboard package)"
+        return
+    _set_steps(run, loss, grad)
+    run.loss_source = f"TensorBoard {run.tensorboard_dir} ({tag!r})" if tag else \
+        f"none ({run.tensorboard_dir} has no loss tag)"
 
 
 def layer_label(layer) -> str:

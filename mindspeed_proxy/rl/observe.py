@@ -48,12 +48,14 @@ class RolloutObserver:
                 train_routed_experts: Optional[torch.Tensor] = None, routed_probs: Optional[torch.Tensor] = None,
                 model=None, input_ids: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
                 temperature: float = 1.0, micro_batch: Optional[int] = None, replays_rollout_experts: bool = False,
-                ) -> dict:
+                routed_positions: Optional[torch.Tensor] = None) -> dict:
         """Reduce one step's diagnostics over the data-parallel group, feed the rl family, return the record.
 
         rollout_logprobs / old_logprobs / response_mask / entropy: [B, T]; routed_experts, train_routed_experts
         (the training pass's), routed_probs: [B, S, L, k]; model + input_ids [B, S] + routed_probs: the gap
-        decomposition (`replays_rollout_experts`: the training passes replay the rollout's experts, R3)."""
+        decomposition (`replays_rollout_experts`: the training passes replay the rollout's experts, R3);
+        routed_positions [B, S] bool: the positions whose experts are compared (default: the prompt, left-padded
+        to S - T, and the inputs of the generated tokens)."""
         mask = response_mask.float()
         rollout_idx = engine_to_megatron(routed_experts) if routed_experts is not None else None
         train_idx = engine_to_megatron(train_routed_experts) if train_routed_experts is not None else None
@@ -73,7 +75,10 @@ class RolloutObserver:
         if entropy is not None:
             parts.append((entropy.double() * mask).sum().view(1))
         if rollout_idx is not None and train_idx is not None:
-            positions = routing_mask(mask, rollout_idx.shape[1] - mask.shape[1], rollout_idx.shape[1]).reshape(-1)
+            if routed_positions is None:
+                positions = routing_mask(mask, rollout_idx.shape[1] - mask.shape[1], rollout_idx.shape[1]).reshape(-1)
+            else:
+                positions = routed_positions.t().reshape(-1)
             flat_train = train_idx.reshape(train_idx.shape[0], -1, train_idx.shape[-1])
             flat_rollout = rollout_idx.reshape(flat_train.shape)
             experts = self.num_experts or int(max(flat_train.max(), flat_rollout.max())) + 1
@@ -113,7 +118,7 @@ class RolloutObserver:
 
     def _gap(self, step, model, input_ids, mask, rollout_logp, rollout_idx, rollout_probs, temperature,
              micro_batch, replays) -> dict:
-        from mindspeed_proxy.rl.train import phase
+        from mindspeed_proxy.patches.runtime import phase
 
         rows = G.sample_rows(input_ids.shape[0], self.gap_samples, self.seed, step)
         prompt_length = input_ids.shape[1] - mask.shape[1]

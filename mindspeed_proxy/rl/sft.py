@@ -22,7 +22,8 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.rollout import data_parallel_slice, evaluate
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.tasks import sft_batch, step_prompts
-    from mindspeed_proxy.rl.train import phase, setup
+    from mindspeed_proxy.patches.runtime import phase
+    from mindspeed_proxy.rl.train import setup
     from mindspeed_proxy.training import checkpointing as C
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.training import writers as W
@@ -62,7 +63,7 @@ def main(argv=None, prog: str = PROG) -> int:
             print(f" saved {args.ckpt_format} checkpoint at iteration {args.train_iters} to {args.save}")
     metrics.close()
     W.close(RUNTIME.tensorboard_writer)
-    finish_distributed(args)
+    finish_distributed()
     return 0
 
 

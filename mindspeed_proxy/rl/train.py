@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from mindspeed_proxy.cli import error, fail
+from mindspeed_proxy.patches.runtime import phase
 from mindspeed_proxy.rl import replay
 from mindspeed_proxy.rl import stats as S
 
@@ -26,18 +27,6 @@ PROG = "mindspeed_proxy.rl.train"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 REWARD_KEYS = ("reward_sum", "reward_sq_sum", "rows", "exact", "length_sum", "nonzero_groups", "groups")
 
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    """Tell the patched router hooks and faults which pass runs (rollout / recompute / train)."""
-    from mindspeed_proxy.patches.runtime import RUNTIME
-
-    previous, RUNTIME.phase = RUNTIME.phase, name
-    try:
-        yield
-    finally:
-        RUNTIME.phase = previous
 
 
 def quiet_optional_kernels() -> None:
@@ -78,6 +67,7 @@ def setup(argv, prog: str, rl: bool = True):
         from mindspeed_proxy import patches
 
         RUNTIME.iteration = resume.resume_iteration(args)
+        RUNTIME.resume = bool(getattr(args, "rl_resume", False))  # the monitor's folder continues that run
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     RUNTIME.tensorboard_writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() == (
         monitor_config.log_rank if monitor_config is not None else 0)) or RUNTIME.tensorboard_writer
@@ -295,7 +285,7 @@ def main(argv=None, prog: str = PROG) -> int:
             if monitor is not None:
                 monitor.close()
             W.close(writer)
-            finish_distributed(args)
+            finish_distributed()
             raise SystemExit(1) from None
         record["faults"] = [f.name for f in faults if f.active(step)]
         metrics.write(record)
@@ -325,7 +315,7 @@ def main(argv=None, prog: str = PROG) -> int:
             print(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
     W.close(writer)
-    finish_distributed(args)
+    finish_distributed()
     return 0
 
 

@@ -52,8 +52,10 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
                    help="MLA decoupled RoPE head dim, one key shared by all heads (Megatron-LM: 64)")
     g.add_argument("--v-head-dim", type=int, default=16, help="MLA value head dim (Megatron-LM: 128)")
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
-                   help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, whose "
-                        "megatron-core 0.16 cache needs an accelerator device)")
+                   help="MLA RoPE variant (default here: rope; Megatron-LM's MLA default is yarn, which the CPU "
+                        "platform also builds)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction layers (DeepSeek-V3; megatron's MTP block on the last pipeline stage)")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true", help="fp16 params with dynamic loss scaling")
@@ -86,7 +88,7 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
                    "else ./runs/<timestamp>)")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event files (needs the tensorboard "
-                   "package): the loop's scalars, and the monitor's when its sinks name tensorboard")
+                   "package): the loop's scalars, and the monitor's (unless its config's sinks leave out tensorboard)")
     g.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
                    help="platform (default: MINDSPEED_PROXY_DEVICE, else auto-detect)")
     from mindspeed_proxy.monitor.arguments import add_monitor_arguments
@@ -106,6 +108,12 @@ def check_finite(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def validate_static(args: argparse.Namespace) -> None:
     """Checks that need no process group; raises ArgumentError naming the flag and the value."""
+    if getattr(args, "mechanism_routing_replay", "off") != "off":
+        raise ArgumentError("--mechanism-routing-replay is for Megatron-LM's train_rl.py; this loop replays with "
+                            "--rl-routing-replay r3")
+    if getattr(args, "mechanism_monitor_rl_gap_interval", 0):
+        raise ArgumentError("--mechanism-monitor-rl-gap-interval is for Megatron-LM's train_rl.py; this loop "
+                            "decomposes the gap with --rl-gap-interval")
     if args.num_experts and args.num_experts % args.expert_model_parallel_size:
         raise ArgumentError(
             f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
@@ -124,6 +132,8 @@ def validate_static(args: argparse.Namespace) -> None:
     if args.lr_warmup_iters >= args.train_iters:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --train-iters "
                             f"{args.train_iters}")
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
+        raise ArgumentError(f"--mtp-num-layers {args.mtp_num_layers}: must be at least 1")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 exclude each other")
     if args.moe_grouped_gemm and not args.bf16:
@@ -215,6 +225,7 @@ def model_config(args: argparse.Namespace) -> TinyMoEConfig:
         q_lora_rank=getattr(args, "q_lora_rank", None), kv_lora_rank=getattr(args, "kv_lora_rank", 32),
         qk_head_dim=getattr(args, "qk_head_dim", 16), qk_pos_emb_head_dim=getattr(args, "qk_pos_emb_head_dim", 8),
         v_head_dim=getattr(args, "v_head_dim", 16), rope_type=getattr(args, "rope_type", None) or "rope",
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         bf16=args.bf16, fp16=args.fp16, sequence_parallel=args.sequence_parallel,
         extra=({"virtual_pipeline_model_parallel_size": vpp}
                if (vpp := getattr(args, "virtual_pipeline_model_parallel_size", None)) else {}),

@@ -6,7 +6,8 @@
   `rng_state`, `num_floating_point_operations_so_far`; written by expert-data-parallel rank 0 of each
   (TP, PP, EP) coordinate, as Megatron-LM does (plus `distrib_optim.pt` with the distributed optimizer).
 - `torch_dist`: `iter_{:07d}/` written through megatron-core `dist_checkpointing` (metadata.json,
-  common.pt, .metadata, *.distcp), resharded on load.
+  common.pt, .metadata, *.distcp), resharded on load; every pickled record (ShardedObjects: RNG state,
+  optimizer param groups, per-rank parts) is read safely first (mindspeed_proxy.dist_records).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import random
 import numpy as np
 import torch
 
+from mindspeed_proxy import dist_records
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.training import checkpoint_parts as parts_io
 
@@ -284,7 +286,10 @@ def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool
     folder = iteration_dir(root, iteration)
     if not dist_checkpointing.check_is_distributed_checkpoint(folder):
         raise ValueError(f"--load {root}: {folder} is not a torch_dist checkpoint")
-    common = dist_checkpointing.load_common_state_dict(folder)
+    # every record (and common.pt) unpickled with megatron-core's safe globals before megatron reads anything
+    metadata = dist_records.read_metadata(folder)
+    records = dist_records.read_records(folder, metadata)
+    common = dist_records.read_common(folder, metadata, records=records)
     if _saved_layout(common["args"]) != _current_layout():
         # RNG records are sharded by (PP, TP, DP) and do not map onto another layout (Megatron-LM ignores
         # them too). Optimizer state does not reshard either: its chained dense/expert structure and the
@@ -299,7 +304,7 @@ def load_dist(root: str, trainer, iteration: int | None = None, load_optim: bool
         _ensure_optimizer_state(trainer.optimizer)
     request = _sharded_state(trainer, is_loading=True, with_optim=load_optim, with_rng=load_rng)
     request.update(parts_io.dist_requests(parts, common, f"--load {root}"))
-    loaded = dist_checkpointing.load(request, folder)
+    loaded = dist_records.load(request, folder, records=records)
     chunks = trainer.unwrapped()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)

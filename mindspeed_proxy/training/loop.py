@@ -59,15 +59,19 @@ def _jsonable(value):
     return value if isinstance(value, (int, float, str, bool, type(None), list)) else str(value)
 
 
+# What init_distributed started in this process (process-wide, like the groups themselves; kept out of args,
+# which are saved with every checkpoint): finish_distributed ends exactly that.
+_STARTED = {"process_group": False, "parallel_state": False}
+
+
 def init_distributed(args) -> None:
     """Activate the platform, start the process group, check the world and initialise parallel_state.
 
-    Sets `args.owns_process_group` / `args.owns_parallel_state` when this call started the group / the
-    model-parallel groups (`finish_distributed` then ends them); an existing parallel_state of the same layout is
-    reused, one of another layout refused (ArgumentError)."""
+    Records whether this call started the group / the model-parallel groups (`finish_distributed` then ends
+    them); an existing parallel_state of the same layout is reused, one of another layout refused (ArgumentError)."""
     from mindspeed_proxy import parallel, platform
 
-    args.owns_process_group = not torch.distributed.is_initialized()
+    _STARTED["process_group"] = not torch.distributed.is_initialized()
     platform.activate(args.device)
     if platform.current() == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or
@@ -85,23 +89,24 @@ def init_distributed(args) -> None:
                                seed=args.seed)
     except parallel.ParallelSetupError as exc:
         raise A.ArgumentError(str(exc)) from None
-    args.owns_parallel_state = state.owned
+    _STARTED["parallel_state"] = state.owned
 
 
-def finish_distributed(args) -> None:
+def finish_distributed() -> None:
     """End the model-parallel groups and the process group `init_distributed` started: all ranks meet first, then
     they go (a gloo rank whose peer has already exited can abort at interpreter exit with "terminate called without
     an active exception")."""
-    if getattr(args, "owns_parallel_state", False):
+    if _STARTED["parallel_state"]:
         from megatron.core import parallel_state as ps
 
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         ps.destroy_model_parallel()
-        args.owns_parallel_state = False
-    if getattr(args, "owns_process_group", False) and torch.distributed.is_initialized():
+        _STARTED["parallel_state"] = False
+    if _STARTED["process_group"] and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    _STARTED["process_group"] = False
 
 
 def _print_rank0(message: str) -> None:
@@ -124,7 +129,7 @@ def stop_nonfinite(prog: str, step: int, args) -> None:
     if torch.distributed.get_rank() == 0:
         error(prog, f"iteration {step}: NaN or inf in the loss or the gradients; the step was not applied "
               "and the run stops (--no-check-for-nan-in-loss-and-grad skips and counts such steps)")
-    finish_distributed(args)
+    finish_distributed()
     raise SystemExit(1)
 
 
@@ -174,6 +179,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         from mindspeed_proxy.patches.runtime import RUNTIME
 
         RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
+        RUNTIME.resume = bool(args.load) and not args.finetune  # the monitor's folder continues that run
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() ==
                             (monitor_config.log_rank if monitor_config is not None else 0))
@@ -198,7 +204,14 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         start = 0 if args.finetune else info["iteration"]
         _print_rank0(f" loaded {load_format} checkpoint from {args.load} at iteration {info['iteration']}")
         if monitor is not None:
-            monitor.weights_loaded()
+            from mindspeed_proxy.monitor.run_log import RunFolderError
+
+            try:
+                monitor.weights_loaded()
+            except RunFolderError as exc:  # a checkpoint without monitor state, into another run's folder
+                if rank0:
+                    error(prog, exc)
+                raise SystemExit(2) from None
     log_dir = resolve_log_dir(args)
     metrics = MetricsWriter(log_dir, args, enabled=rank0)
     saver = C.saver(args.ckpt_format)
@@ -232,5 +245,5 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         _print_rank0(f" mechanism monitor: {len(monitor.alerts)} alert(s); records in {monitor.config.output_dir}")
         monitor.close()
     W.close(writer)
-    finish_distributed(args)
+    finish_distributed()
     return 0

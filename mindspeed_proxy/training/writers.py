@@ -15,11 +15,12 @@ def check_available(tensorboard_dir) -> None:
     """ValueError naming --tensorboard-dir when it is given and the tensorboard package is missing."""
     if not tensorboard_dir:
         return
+    from mindspeed_proxy.extras import MissingExtra, require
+
     try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        raise ValueError(f"--tensorboard-dir {tensorboard_dir}: the tensorboard package is not installed "
-                         "(pip install 'mindspeed-proxy[tensorboard]')") from None
+        require("tensorboard", f"--tensorboard-dir {tensorboard_dir}")  # torch.utils.tensorboard needs it
+    except MissingExtra as exc:
+        raise ValueError(str(exc)) from None
 
 
 def build_writer(tensorboard_dir, enabled: bool):

@@ -55,6 +55,11 @@ def test_scalar_tags_aggregate_over_layers():
     assert tags["mechanism/router/entropy/layer_3"] == 2.0
     assert tags["mechanism/router/entropy/mean"] == 1.5
     assert (tags["mechanism/router/entropy/min"], tags["mechanism/router/entropy/max"]) == (1.0, 2.0)
+    # a value of no single layer (the rl family's layer None) is `all`, outside the aggregates
+    tags = scalar_tags("rl", {"topk_match": {0: 0.5, 1: 0.7, None: 0.9}, "entropy": {None: 2.0}})
+    assert tags["mechanism/rl/topk_match/all"] == 0.9 and tags["mechanism/rl/entropy/all"] == 2.0
+    assert tags["mechanism/rl/topk_match/mean"] == pytest.approx(0.6)
+    assert not any(t.startswith("mechanism/rl/entropy/") and t != "mechanism/rl/entropy/all" for t in tags)
 
 
 def test_jsonl_and_csv_sinks(tmp_path):
@@ -101,7 +106,14 @@ def test_writer_sinks_for_tensorboard_and_wandb(tmp_path):
         sink.write({"type": "alert", "step": 3, "family": "router"})
     assert tb.scalars == [("mechanism/update-spectral/linear_qkv/entropy/layer_0", 1.25, 3)]
     assert tb.texts and tb.texts[0][0] == "mechanism/alerts"
-    assert wb.logged == [({"mechanism/update-spectral/linear_qkv/entropy/layer_0": 1.25}, 3)]
+    alert_text = '{"type": "alert", "step": 3, "family": "router"}'
+    assert wb.logged == [({"mechanism/update-spectral/linear_qkv/entropy/layer_0": 1.25}, 3),
+                         ({"mechanism/alerts": alert_text}, 3)]
+    for sink in sinks[1:]:  # a second alert of the family at step 3: the marker counts both, written once
+        sink.write({"type": "alert", "step": 3, "family": "router"})
+        sink.close()
+    assert tb.scalars[1:] == [("mechanism/router/alerts/count", 2, 3)]
+    assert wb.logged[-1] == ({"mechanism/router/alerts/count": 2}, 3)
     assert build_sinks(["tensorboard"], str(tmp_path)) == []  # no writer, no sink
 
 

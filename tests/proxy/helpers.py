@@ -1,7 +1,10 @@
 """Shared by the proxy tests: load a checkpoint into real megatron-core model chunks through the trainer's
 loading path, mask the original routers to the kept experts, and run a forward (pipelined when PP > 1)."""
+import os
+
 import torch
 
+MONITOR_EVERY_STEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "monitor_every_step.json")
 TINY = ["--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--global-batch-size", "8",
         "--micro-batch-size", "2"]
 # name: (world size, flags). "bias" = sigmoid scoring + aux-free expert bias + a shared expert.
@@ -13,6 +16,15 @@ CONFIGS = {
     # legacy GroupedMLP (bf16 only in megatron-core); layers 1 and 3 dense (--moe-layer-freq 2)
     "grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--bf16", "--num-layers", "4",
                     "--moe-layer-freq", "2"]),
+    # DeepSeek-V3 shape: a multi-token prediction layer (MoE, on the last stage), sigmoid router with expert bias,
+    # shared expert; the monitor on at every step, collecting expert features at step 2 (tests/monitor/test_monitor_mtp.py)
+    "mtp": (2, ["--expert-model-parallel-size", "2", "--mtp-num-layers", "1", "--moe-shared-expert-intermediate-size",
+                "32", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+                "--enable-mechanism-monitor", "--mechanism-monitor-config", MONITOR_EVERY_STEP,
+                "--mechanism-monitor-collect-expert-features", "--mechanism-monitor-expert-features-start", "2"]),
+    "mtp_pp2": (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+                    "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+                    "--moe-router-score-function", "sigmoid"]),
     # PP=2 with two virtual stages (model0/model1 chunks of one layer each), EP=2
     "pp2_vpp": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                     "--num-layers-per-virtual-pipeline-stage", "1"]),

@@ -130,3 +130,17 @@ def test_overwrite_replaces_only_after_success(checkpoints, tmp_path, capsys):
     flags = "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 1 " \
         "--num-experts 4 --ckpt-format torch"
     assert f"launch flags: {flags} --load {out} --finetune --no-load-optim --no-load-rng" in capsys.readouterr().out
+
+
+def test_kmeans_without_scikit_learn_is_one_line_naming_the_extra(checkpoints, tmp_path, hash_folder):
+    src = checkpoints("ep2_bias")
+    before = hash_folder(src)
+    argv = ["convert_to_proxy.py", "--load", src, "--save", str(tmp_path / "out"), "--target-expert-parallel-size",
+            "1", "--target-num-experts", "4", "--cluster", "kmeans"]
+    code = (f"import runpy, sys; sys.modules['sklearn'] = None; sys.argv = {argv!r}; "
+            f"runpy.run_path({str(REPO / 'convert_to_proxy.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--cluster kmeans" in lines[0] and "pip install 'mindspeed-proxy[proxy]'" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == [] and hash_folder(src) == before

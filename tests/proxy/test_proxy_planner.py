@@ -69,6 +69,24 @@ def test_proxy_counts_drop_only_the_pruned_experts_and_router_rows():
     assert gap == 6 * 58 * 224 * 7168  # router matmul rows (the bias is no matmul)
 
 
+def test_mtp_module_counted_apart_as_the_published_totals():
+    """DeepSeek-V3's MTP layer (Megatron: enorm, hnorm, eh_proj [h, 2h], a MoE transformer layer, final norm; embedding
+    and output layer shared) is out of the 671B and reported apart, its routed experts pruned to K like the decoder's."""
+    s = spec("deepseek_v3")
+    assert s.mtp_layers == 1
+    h = 7168
+    attn = (h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256 + 128 * 128 * h)
+    expert = 3 * h * 2048
+    for k in (256, 32):
+        layer = attn + 2 * h + k * h + k + expert + k * expert  # norms, router rows + bias, shared, routed experts
+        assert planner.mtp_count(s, k) == {"total": layer + 3 * h + 2 * h * h, "experts": k * expert}
+    assert planner.count(s)["total"] == _hand_deepseek_v3()[0]  # unchanged by the MTP layer
+    layout = _layout("deepseek_v3", 1, 16, 64, 64)
+    result = planner.plan(s, layout, planner.Run(seq_length=4096, micro_batch=1, global_batch=1024, memory_gib=80),
+                          eps=[8], ks=[32])
+    assert result["original"]["mtp"] == planner.mtp_count(s) and result["proxies"][0]["mtp"]["experts"] == 32 * expert
+
+
 def _layout(name, tp, pp, ep, dp):
     return planner.source_layout(spec(name), tp, pp, ep, dp)
 
@@ -175,6 +193,22 @@ def test_counts_equal_the_tensors_of_real_megatron_checkpoints(checkpoints, dist
     numel = sum(torch.Size(shape).numel() for shape, _ in index.tensors.values())
     assert s.moe_layers == (True, False, True, False)
     assert planner.count(s)["total"] == numel
+
+
+def test_mtp_count_equals_the_mtp_tensors_of_a_real_checkpoint(checkpoints):
+    legacy = checkpoints("mtp")  # --mtp-num-layers 1, shared expert + expert bias, EP=2
+    s = model_spec.from_megatron_args(model_spec.read_checkpoint_args(legacy), legacy)
+    from mindspeed_proxy.checkpoint_io import safe_torch_load
+    from mindspeed_proxy.proxy.core.tracker import resolve_iteration
+
+    folder = resolve_iteration(legacy, None)[1]
+    models = [safe_torch_load(os.path.join(folder, f"mp_rank_00_{e:03d}", "model_optim_rng.pt"))["model"] for e in (0, 1)]
+    mtp = sum(t.numel() for e, m in enumerate(models) for k, t in m.items()
+              if isinstance(t, torch.Tensor) and k.startswith("mtp.") and (e == 0 or ".experts." in k))
+    experts = sum(t.numel() for m in models for k, t in m.items()
+                  if isinstance(t, torch.Tensor) and k.startswith("mtp.") and ".local_experts." in k)
+    assert planner.mtp_count(s) == {"total": mtp, "experts": experts} and experts > 0
+    assert planner.count(s)["total"] + mtp == _numel_legacy(legacy, 2)
 
 
 def test_cli_prints_the_table(capsys, checkpoints, tmp_path):

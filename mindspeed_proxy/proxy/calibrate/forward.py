@@ -6,8 +6,9 @@ no accelerator) from the checkpoint's args, with all E experts, by `calibrate/mo
 TransformerConfig and local block spec from the args' own fields, as Megatron-LM builds it, for args of
 Megatron-LM and of our trainer alike); it is loaded
 with strict key checking: torch_dist through megatron's `dist_checkpointing.load` (which reshards any
-source TP/PP/EP), legacy by merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy
-TP shards do not reshard, so legacy needs TP = 1).
+source TP/PP/EP; its objects come from the records read safely, mindspeed_proxy.dist_records), legacy by
+merging the EP ranks' files and PP stages / VPP chunks of TP rank 0 (legacy TP shards do not reshard, so
+legacy needs TP = 1).
 During the forward, a pre-hook on every MoE layer takes its input x (after the pre-MLP norm), every expert
 is applied to every token (the layer's experts module called with all tokens for each expert and
 probability 1) and the outputs are summed in float64; a hook on the router counts the tokens routed to
@@ -97,8 +98,9 @@ def _dist_bytes(ckpt) -> int:
 
 
 def _load(model, ckpt) -> None:
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy import dist_records
 
     if ckpt.format == "torch_dist":
         _check_fits(_dist_bytes(ckpt))
@@ -106,7 +108,12 @@ def _load(model, ckpt) -> None:
                     "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            state = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder)
+            # the checkpoint's objects were read safely when it was opened (DistIndex): megatron unpickles none
+            try:
+                state = dist_records.load({"model": model.sharded_state_dict(metadata=metadata)}, ckpt.folder,
+                                          ckpt.trust, ckpt.index.records)
+            except ValueError as exc:  # an object the model asks for is not in the checkpoint
+                raise ConversionError(f"--features outputs: {exc}") from None
         state = state["model"]
     else:
         from mindspeed_proxy.proxy.calibrate import args_model

@@ -79,8 +79,6 @@ def check_buildable(args, checkpoint_format: str | None = None) -> None:
             _refuse("moe_grouped_gemm", True, "the TE grouped GEMM; only the legacy GroupedMLP of a "
                     "--transformer-impl local run builds without Transformer Engine")
     if getattr(args, "multi_latent_attention", False):
-        if getattr(args, "rope_type", None) == "yarn" and not torch.cuda.is_available():
-            _refuse("rope_type", "yarn", "megatron-core's YaRN cache needs an accelerator")
         from mindspeed_proxy.mla_attention import q_norm_needs_te
 
         if q_norm_needs_te(getattr(args, "qk_layernorm", False), getattr(args, "q_lora_rank", None)):

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Union
 
 STACKED = "decoder.layers."
 EXPERTS = "decoder.layers.mlp.experts."
 ROUTER = "decoder.layers.mlp.router."
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _PER_LAYER_MOE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(experts|router)\.")
+# multi-token prediction layers: never stacked, one key per MTP layer, experts global [E, ...]
+MTP_MLP = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.mlp\.")
+_MTP_MOE = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.mlp\.(experts|router)\.")
 
 
 def is_model_key(key: str) -> bool:
@@ -23,15 +26,25 @@ def is_stacked(key: str) -> bool:
     return key.startswith(STACKED) and not _PER_LAYER.match(key)
 
 
-def key_layer(key: str) -> Optional[int]:
-    """Global layer of a per-layer key `decoder.layers.{l}.*` (non-homogeneous layers), else None."""
+def key_layer(key: str) -> Union[int, str, None]:
+    """Layer id (LayerRef.id) of a per-layer key: `decoder.layers.{l}.*` (non-homogeneous layers) -> l,
+    `mtp.layers.{i}.transformer_layer.*` -> "mtp.i"; None for stacked and other keys."""
     match = _PER_LAYER.match(key)
-    return int(match.group(1)) if match else None
+    if match:
+        return int(match.group(1))
+    match = MTP_MLP.match(key)
+    return f"mtp.{match.group(1)}" if match else None
+
+
+def is_mtp_moe(key: str) -> bool:
+    """True for the routed experts and router of a multi-token prediction layer."""
+    return bool(_MTP_MOE.match(key))
 
 
 def is_sliced(key: str) -> bool:
-    """True for tensors/objects with an expert axis: routed experts and router rows, stacked or per layer."""
-    return key.startswith((EXPERTS, ROUTER)) or bool(_PER_LAYER_MOE.match(key))
+    """True for tensors/objects with an expert axis: routed experts and router rows, stacked, per layer or of
+    a multi-token prediction layer."""
+    return key.startswith((EXPERTS, ROUTER)) or bool(_PER_LAYER_MOE.match(key)) or is_mtp_moe(key)
 
 
 def expert_axis(key: str) -> int:
@@ -40,5 +53,8 @@ def expert_axis(key: str) -> int:
 
 
 def stacked_name(key: str) -> str:
-    """`decoder.layers.{l}.mlp.X` -> `decoder.layers.mlp.X` (the name of the same tensor when stacked)."""
+    """`decoder.layers.{l}.mlp.X` and `mtp.layers.{i}.transformer_layer.mlp.X` -> `decoder.layers.mlp.X` (the
+    name of the same tensor when stacked)."""
+    if MTP_MLP.match(key):
+        return MTP_MLP.sub(STACKED + "mlp.", key, count=1)
     return _PER_LAYER.sub(STACKED, key, count=1)

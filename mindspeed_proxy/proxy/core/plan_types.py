@@ -52,9 +52,9 @@ def rewrite_args(args, target: Layout) -> tuple:
     return new, diff
 
 
-def kept_of(plan: Plan, layer_id: int) -> list:
-    """Kept source expert ids of global layer `layer_id`."""
+def kept_of(plan: Plan, layer_id) -> list:
+    """Kept source expert ids of the layer whose LayerRef.id is `layer_id` (global layer, or `mtp.N`)."""
     for layer, kept in plan.kept.items():
-        if layer.global_layer == layer_id:
+        if layer.id == layer_id:
             return kept
     raise ConversionError(f"layer {layer_id} has experts but no plan")

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.refs import id_order
 
 
 def _load_features(path: str) -> dict:
@@ -31,14 +32,15 @@ def _load_features(path: str) -> dict:
 def read_features_file(path: str, layers: list, num_experts: int) -> dict:
     """{global layer: [E, D] float64} from a features FILE (.npz or .pt mapping "<global layer>" -> [E, D])."""
     raw = _load_features(path)
-    wanted = {str(layer.global_layer) for layer in layers}
+    wanted = {str(layer.id) for layer in layers}
     extra = sorted(set(raw) - wanted)
     if extra:
         raise ConversionError(f"--features {path}: key {extra[0]!r} is not a MoE layer of the checkpoint "
-                              f"(MoE layers: {', '.join(sorted(wanted, key=int))}; global 0-based numbering)")
+                              f"(MoE layers: {', '.join(sorted(wanted, key=id_order))}; global 0-based numbering, "
+                              "mtp.N for multi-token prediction layers)")
     out = {}
     for layer in layers:
-        key = str(layer.global_layer)
+        key = str(layer.id)
         if key not in raw:
             raise ConversionError(f"--features {path}: no features for MoE layer {key}")
         value = raw[key]
@@ -50,7 +52,7 @@ def read_features_file(path: str, layers: list, num_experts: int) -> dict:
         value = value.astype(np.float64)
         if not np.isfinite(value).all():
             raise ConversionError(f"--features {path}: layer {key} holds non-finite values (nan/inf)")
-        out[layer.global_layer] = value
+        out[layer.id] = value
     return out
 
 

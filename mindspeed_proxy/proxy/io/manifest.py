@@ -42,7 +42,7 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
     layers = []
     for layer, kept in plan.kept.items():
         d = plan.details[layer]
-        layers.append({"layer": layer.global_layer, "pipeline_stage": layer.pp, "chunk": layer.chunk,
+        layers.append({"layer": layer.id, "pipeline_stage": layer.pp, "chunk": layer.chunk,
                        "prefix": layer.prefix, "kept_global_ids_in_new_order": kept,
                        "cluster_labels": d["labels"], "cluster_sizes": d["sizes"], "distances": d["distances"],
                        "calibration_usage": calibration_usage.get(layer.global_layer),
@@ -72,7 +72,7 @@ def build_manifest(ckpt, plan, source_hashes: dict, verification: dict, fmt: str
         "inputs": {k: inputs.get(k) for k in ("usage_file", "calibration_data", "features_file")},
         "keep_optimizer_args": plan.options.keep_optimizer_args,
         "non_finite_experts": {"mode": plan.options.non_finite_experts, "experts": [
-            {"layer": layer.global_layer, "expert": g, "tensors": tensors, "kept_in_proxy": g in plan.kept[layer]}
+            {"layer": layer.id, "expert": g, "tensors": tensors, "kept_in_proxy": g in plan.kept[layer]}
             for layer, found in plan.non_finite.items() for g, tensors in sorted(found.items())]},
         "ep_mapping": {"source": {"expert_model_parallel_size": s.ep, "tp_extend_ep": s.tp_extend_ep,
                                   "global_id_to_rank_local": s.mapping()},

@@ -5,6 +5,7 @@ from typing import Optional
 
 import numpy as np
 
+from mindspeed_proxy.extras import require
 from mindspeed_proxy.proxy.core.errors import ConversionError
 
 
@@ -26,6 +27,7 @@ def _canonical(labels: np.ndarray) -> np.ndarray:
 
 def agglomerative(dist: np.ndarray, k: int) -> np.ndarray:
     """Average-linkage clustering cut at exactly `k` clusters (deterministic)."""
+    require("scipy", "clustering (--cluster agglomerative)", extra="proxy")
     from scipy.cluster.hierarchy import cut_tree, linkage
     from scipy.spatial.distance import squareform
 
@@ -55,7 +57,7 @@ def kmeans(similarity: np.ndarray, k: int, seed: int, weights: Optional[np.ndarr
 
     With `weights` (usage-weighted clustering) each expert counts in proportion to its weight: the
     objective is the usage-weighted sum of squared distances to the cluster centres."""
-    from sklearn.cluster import KMeans
+    KMeans = require("sklearn.cluster", "clustering (--cluster kmeans)").KMeans
 
     points = embedding(similarity)
     labels = KMeans(n_clusters=k, random_state=seed, n_init=10).fit(points, sample_weight=weights).labels_

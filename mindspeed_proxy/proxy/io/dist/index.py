@@ -1,4 +1,5 @@
-"""What a torch_dist folder holds (its metadata, read without loading), and megatron load requests for it."""
+"""What a torch_dist folder holds (its metadata, its pickled records read safely), and megatron load requests
+for its tensors."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import warnings
 
 import torch
 
+from mindspeed_proxy import dist_records
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.keys import is_model_key, is_stacked
 from mindspeed_proxy.proxy.io.dist.common import is_common_record, read_common
@@ -21,10 +23,15 @@ def _dots(text: str) -> tuple:
 
 
 def read_regions(folder: str, requests: dict) -> dict:
-    """{name: tensor or object} for ShardedTensor / ShardedObject `requests`, read with megatron's
-    TorchDist load strategy; ConversionError if the files cannot deliver them."""
+    """{name: tensor} for ShardedTensor `requests`, read with megatron's TorchDist load strategy (which
+    unpickles objects unsafely: a ShardedObject request is refused); ConversionError if the files cannot
+    deliver them."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if not all(isinstance(v, ShardedTensor) for v in requests.values()):
+        raise TypeError("read_regions reads tensors only; objects come from DistIndex.object_value")
     ensure_group()
     try:
         with warnings.catch_warnings():
@@ -52,7 +59,8 @@ def whole_request(key: str, shape: tuple, dtype):
 
 class DistIndex:
     """What a torch_dist folder holds: common state, model tensor keys with shapes, layers per stacked key,
-    sharded objects; files checked against the metadata (missing or truncated .distcp refused)."""
+    sharded objects; files checked against the metadata (missing or truncated .distcp refused), then every
+    pickled record read safely (mindspeed_proxy.dist_records) before anything else reads the folder."""
 
     def __init__(self, folder: str, trust: bool = False):
         from torch.distributed.checkpoint import FileSystemReader
@@ -83,9 +91,10 @@ class DistIndex:
                 raise ConversionError(f"truncated or unreadable shard: {path} has {os.path.getsize(path)} bytes, "
                                       f".metadata expects at least {end}")
         try:
-            self.common = read_common(folder, meta, trust)
+            self.records = dist_records.read_records(folder, meta, trust)
         except ValueError as exc:
             raise ConversionError(str(exc)) from None
+        self.common = read_common(folder, meta, trust, self.records)
         self.tensors, self.layers_of, self.objects = {}, {}, {}
         for key, item in meta.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -100,9 +109,9 @@ class DistIndex:
                     raise ConversionError(f"{folder}: unexpected non-tensor entry {key!r}")
                 self.objects[key] = (match.group(1), _dots(match.group(3)), _dots(match.group(2)))
 
-    def object_requests(self, names) -> dict:
-        """ShardedObject requests for the stored objects `names`."""
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        return {n: ShardedObject(self.objects[n][0], None, self.objects[n][1], self.objects[n][2], replica_id=0)
-                for n in names}
+    def object_value(self, name: str):
+        """The data of stored object `name` (a ShardedObject unique key), from the records read safely."""
+        try:
+            return dist_records.object_value(self.records, name, self.folder)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None

@@ -18,8 +18,10 @@ from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.keys import (
     _PER_LAYER_MOE,
     EXPERTS,
+    MTP_MLP,
     ROUTER,
     expert_axis,
+    is_mtp_moe,
     is_sliced,
     is_stacked,
     key_layer,
@@ -27,7 +29,7 @@ from mindspeed_proxy.proxy.core.keys import (
 )
 from mindspeed_proxy.proxy.core.layout import Layout, layout_from_args
 from mindspeed_proxy.proxy.core.plan_types import rewrite_args
-from mindspeed_proxy.proxy.core.refs import LayerRef
+from mindspeed_proxy.proxy.core.refs import LayerRef, id_order
 from mindspeed_proxy.proxy.core.tracker import resolve_iteration
 from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, layer_row_groups
 from mindspeed_proxy.proxy.io.dist.group import close_group
@@ -50,10 +52,12 @@ class DistCheckpoint:
         self.args = common["args"]
         self.layout = layout_from_args(self.args)
         routers = sorted(k for k in self.index.tensors if k.endswith("mlp.router.weight"))
+        mtp = sorted((k for k in routers if is_mtp_moe(k)), key=lambda k: id_order(key_layer(k)))
+        routers = [k for k in routers if k not in mtp]
         unknown = [k for k in routers if k != ROUTER + "weight" and not _PER_LAYER_MOE.match(k)]
         if unknown:
             raise ConversionError(f"{self.folder}: unknown expert layout: router {unknown[0]!r} outside "
-                                  "decoder.layers (e.g. multi-token-prediction layers) is not supported")
+                                  "decoder.layers and mtp.layers.N.transformer_layer is not supported")
         if not routers:
             raise ConversionError(f"--load {root}: no MoE layer ({ROUTER}weight or decoder.layers.N.mlp.router."
                                   "weight missing) in the torch_dist checkpoint")
@@ -65,21 +69,29 @@ class DistCheckpoint:
             moe = sorted(key_layer(k) for k in routers)
         else:
             moe = self.index.layers_of[ROUTER + "weight"]
-        self.sliced = {l: sorted(k for k in self.index.tensors if is_sliced(k) and
-                                 (key_layer(k) == l if self.per_layer else True)) for l in moe}
-        self._check_sliced(moe)
+        sliced = [k for k in self.index.tensors if is_sliced(k)]
+        self.sliced = {l: sorted(k for k in sliced if (key_layer(k) == l if self.per_layer else is_stacked(k)))
+                       for l in moe}
+        # multi-token prediction layers: per-layer keys whatever the decoder's form
+        self.sliced.update({key_layer(k): sorted(s for s in sliced if key_layer(s) == key_layer(k)) for k in mtp})
+        self._check_sliced(moe, [key_layer(k) for k in mtp])
         self.expert_keys = sorted(stacked_name(k) for k in self.sliced[moe[0]] if stacked_name(k).startswith(EXPERTS))
-        self.layers = [LayerRef(0, "model", f"decoder.layers.{l}.mlp.", l) for l in moe]
+        self.layers = [LayerRef(0, "model", f"decoder.layers.{l}.mlp.", l) for l in moe] + [
+            LayerRef(0, "model", MTP_MLP.match(k).group(0), None, int(MTP_MLP.match(k).group(1))) for k in mtp]
         self._cache: dict = {}
         self._reader = None
 
-    def _check_sliced(self, moe: list) -> None:
+    def _per_layer(self, layer: LayerRef) -> bool:
+        """True when `layer`'s tensors have one key per layer (no layer axis)."""
+        return self.per_layer or layer.mtp is not None
+
+    def _check_sliced(self, moe: list, mtp: list) -> None:
         E, names = self.layout.num_experts, None
-        for l in moe:
+        for l in moe + mtp:
             layer_names = sorted(stacked_name(k) for k in self.sliced[l])
             if not any(n.startswith(EXPERTS) for n in layer_names):
                 raise ConversionError(f"{self.folder}: unknown expert layout: no {EXPERTS}* tensors"
-                                      + (f" for layer {l}" if self.per_layer else ""))
+                                      + (f" for layer {l}" if self.per_layer or l in mtp else ""))
             if names is not None and layer_names != names:
                 raise ConversionError(f"{self.folder}: MoE layer {l} stores {layer_names}, layer {moe[0]} {names}")
             names = layer_names
@@ -89,7 +101,7 @@ class DistCheckpoint:
                     want = f"[L, {E}, ...]" if axis else f"[{E}, ...]"
                     raise ConversionError(f"{self.folder}: {key} has global shape {list(shape)}, expected {want} "
                                           f"for args num_experts = {E} (inconsistent experts between files and args)")
-                if not self.per_layer and self.index.layers_of[key] != moe:
+                if is_stacked(key) and self.index.layers_of[key] != moe:
                     raise ConversionError(f"{self.folder}: {key} is stored for layers {self.index.layers_of[key]}, "
                                           f"the router for {moe}")
 
@@ -97,8 +109,8 @@ class DistCheckpoint:
         """{stacked key name: [E, ...] tensor} of the expert and router tensors of `layer` (cached until
         release); per-layer keys are reported under their stacked names."""
         if layer not in self._cache:
-            keys = self.sliced[layer.global_layer]
-            if self.per_layer:
+            keys = self.sliced[layer.id]
+            if self._per_layer(layer):
                 requests = {k: whole_request(k, *self.index.tensors[k]) for k in keys}
                 slabs = {stacked_name(k): v for k, v in read_regions(self.folder, requests).items()}
             else:
@@ -119,11 +131,11 @@ class DistCheckpoint:
         if layer in self._cache:
             return {k[len(ROUTER):]: v for k, v in self._cache[layer].items() if k.startswith(ROUTER)}
         reader, out = self.chunk_reader(), {}
-        for key in self.sliced[layer.global_layer]:
+        for key in self.sliced[layer.id]:
             name = stacked_name(key)
             if name.startswith(ROUTER):
                 shape = self.index.tensors[key][0]
-                if self.per_layer:
+                if self._per_layer(layer):
                     out[name[len(ROUTER):]] = reader.region(key, (0,) * len(shape), shape).clone()
                 else:
                     start = (layer.global_layer,) + (0,) * (len(shape) - 1)
@@ -142,10 +154,11 @@ class DistCheckpoint:
         stored chunk region, memory-mapped one region at a time; a key whose chunks do not tile the
         experts as a grid is read as a layer slab instead."""
         E = self.layout.num_experts
-        for key in self.sliced[layer.global_layer]:
+        for key in self.sliced[layer.id]:
             if not stacked_name(key).startswith(EXPERTS):
                 continue
-            groups = layer_row_groups(self.chunk_reader(), key, None if self.per_layer else layer.global_layer, E)
+            groups = layer_row_groups(self.chunk_reader(), key, None if self._per_layer(layer) else layer.global_layer,
+                                      E)
             if groups is None:
                 slab = self.layer_slabs(layer)[stacked_name(key)]
                 groups = [[slab[e] for e in range(E)]]

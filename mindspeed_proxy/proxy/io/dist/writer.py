@@ -27,7 +27,6 @@ from mindspeed_proxy.proxy.io import hashing, pages
 from mindspeed_proxy.proxy.io.dist.chunks import ChunkReader, expected, proxy_chunks
 from mindspeed_proxy.proxy.io.dist.common import COMMON_FILE, KEPT_COMMON
 from mindspeed_proxy.proxy.io.dist.group import ensure_group
-from mindspeed_proxy.proxy.io.dist.index import read_regions
 from mindspeed_proxy.proxy.io.dist.reader import DistCheckpoint
 from mindspeed_proxy.proxy.io.output_guard import disk_full
 from mindspeed_proxy.proxy.select.policy import kept_fields
@@ -241,9 +240,8 @@ def write_dist(ckpt: DistCheckpoint, plan, new_args, out_root: str, progress=Non
     ensure_group()
     index, model = ckpt.index, {}
     objects = proxy_objects(ckpt, plan)
-    values = read_regions(ckpt.folder, index.object_requests(sorted({v[3] for v in objects.values()})))
     for name, (key, shape, offset, source) in objects.items():
-        model[name] = ShardedObject(key, values[source], shape, offset, replica_id=0)
+        model[name] = ShardedObject(key, index.object_value(source), shape, offset, replica_id=0)
     common = index.common
     state = {k: common[k] for k in kept_fields(KEPT_COMMON, plan.options) if k in common and k != "content_metadata"}
     state["args"] = new_args

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from mindspeed_proxy.extras import require
 from mindspeed_proxy.proxy.core.errors import ConversionError, read_json_object
 from mindspeed_proxy.proxy.core.layout import Layout
 from mindspeed_proxy.proxy.core.refs import LayerRef
@@ -61,6 +62,7 @@ class HFCheckpoint:
         self.root, self.iteration = root, None
         if not os.path.isfile(os.path.join(root, CONFIG)):
             raise ConversionError(f"--load {root}: no {CONFIG} (not a Hugging Face checkpoint)")
+        require("safetensors", f"--load {root} (a Hugging Face checkpoint)")
         self.config = _read_json(os.path.join(root, CONFIG), CONFIG)
         where = os.path.join(root, CONFIG)
         num_experts = H.expert_count(self.config, where)

@@ -13,6 +13,7 @@ import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.core.errors import ConversionError
+from mindspeed_proxy.proxy.core.keys import MTP_MLP
 from mindspeed_proxy.proxy.core.layout import Layout, layout_from_args
 from mindspeed_proxy.proxy.core.plan_types import Plan, rewrite_args
 from mindspeed_proxy.proxy.core.refs import LayerRef
@@ -107,13 +108,18 @@ class LegacyCheckpoint:
             for v, chunk in enumerate(self.chunks):
                 model = self.state(0, pp, 0)[chunk]
                 for key in model:
-                    if key.endswith("mlp.router.weight"):
-                        prefix = key[: -len("router.weight")]
-                        layers.append(LayerRef(pp, chunk, prefix, _global_layer(prefix, pp, v, L, self.args,
-                                                                                  len(self.chunks))))
+                    if not key.endswith("mlp.router.weight"):
+                        continue
+                    prefix = key[: -len("router.weight")]
+                    mtp = MTP_MLP.match(prefix)  # multi-token prediction: `mtp.layers.{i}` of the whole model
+                    layers.append(LayerRef(pp, chunk, prefix, None, int(mtp.group(1))) if mtp else
+                                  LayerRef(pp, chunk, prefix, _global_layer(prefix, pp, v, L, self.args,
+                                                                            len(self.chunks))))
         if not layers:
             raise ConversionError(f"--load {self.root}: no MoE layer (no mlp.router.weight) in the model")
-        return sorted(layers, key=lambda l: (l.global_layer is None, l.global_layer or 0))  # VPP: v-major files
+        # VPP: v-major files; MTP layers after the decoder's
+        return sorted(layers, key=lambda l: (l.mtp is not None, l.mtp or 0, l.global_layer is None,
+                                             l.global_layer or 0))
 
     def codec(self, layer: LayerRef):
         """The expert codec of `layer` (checked in every file when opening)."""

@@ -1,0 +1,130 @@
+"""The rollout routing table of the train_rl.py rows (rl/rollout_routing.py), R3's argument checks, and the
+hooked Megatron-LM names and parameters read from a checkout's source (skipped without MEGATRON_LM_PATH)."""
+from __future__ import annotations
+
+import ast
+import os
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_proxy.rl.rollout_routing import (RolloutRouting, TrainRouting, engine_to_router_order, forward_fill,
+                                                topk_of)
+
+
+def _random_requests(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    requests = {}
+    for rid in range(5):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        requests[rid] = (torch.randint(2, 50, (n,), generator=g), torch.randint(0, 8, (2, n, 2), generator=g))
+    return requests
+
+
+def test_table_rebuilds_each_requests_experts_from_shuffled_engine_steps():
+    """Tokens of several requests recorded in shuffled flattened steps come back per row, at their positions."""
+    requests = _random_requests(0)
+    flat = [(rid, pos) for rid, (tok, _) in requests.items() for pos in range(len(tok))]
+    order = torch.randperm(len(flat), generator=torch.Generator().manual_seed(1)).tolist()
+    table = RolloutRouting()
+    for chunk in (order[:7], order[7:19], order[19:]):
+        rids = torch.tensor([flat[i][0] for i in chunk])
+        pos = torch.tensor([flat[i][1] for i in chunk])
+        tok = torch.tensor([int(requests[r][0][p]) for r, p in zip(rids.tolist(), pos.tolist())])
+        for layer in (2, 1):
+            experts = torch.stack([requests[r][1][layer - 1, p] for r, p in zip(rids.tolist(), pos.tolist())])
+            table.record(layer, rids, pos, tok, experts, probs=experts.float() / 10 + layer)
+    seq = 12
+    rows = torch.zeros(len(requests) + 1, seq, dtype=torch.long)
+    for rid, (tok, _) in requests.items():  # the training row: the request's tokens, one more token, padding
+        rows[rid, :len(tok)] = tok
+        rows[rid, len(tok)] = 1
+    rows[-1, :3] = torch.tensor([60, 61, 62])  # no request starts this row
+    experts, recorded = table.lookup(rows)
+    for rid, (tok, ex) in requests.items():
+        n = len(tok)
+        assert recorded[rid, :n].all() and not recorded[rid, n:].any()
+        assert torch.equal(experts[rid, :n], ex.permute(1, 0, 2))  # [n, L, k], layers ascending
+    assert not recorded[-1].any()
+    again, _, probs = table.lookup(rows, with_probs=True)
+    assert torch.equal(again, experts)
+    assert torch.equal(probs[recorded], experts[recorded].float() / 10 + torch.tensor([1.0, 2.0]).view(1, 2, 1))
+    filled = forward_fill(experts, recorded)
+    for rid, (tok, ex) in requests.items():
+        assert (filled[rid, len(tok):] == ex[:, -1].unsqueeze(0)).all()
+    order = engine_to_router_order(filled)  # token s·B + b of layer l
+    assert torch.equal(order[1, 3 * rows.shape[0] + 2], filled[2, 3, 1])
+
+
+def test_topk_of_and_train_routing_layout():
+    """A routing map gives its chosen experts; TrainRouting stacks forwards into [B, S, L, k]."""
+    g = torch.Generator().manual_seed(2)
+    chosen = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
+    routing_map = torch.zeros(6, 8, dtype=torch.bool).scatter_(1, chosen, True)
+    assert torch.equal(topk_of(routing_map, 2), chosen.sort(dim=1).values)
+    capture = TrainRouting()
+    for batch in (2, 1):
+        capture.begin(batch, 3)
+        for layer in (1, 3):
+            capture.add(layer, torch.arange(batch * 3 * 2).view(batch * 3, 2) + 100 * layer)
+        capture.end()
+    out, layers = capture.take()
+    assert layers == [1, 3] and out.shape == (3, 3, 2, 2)
+    assert torch.equal(out[1, 2, 1], torch.tensor([310, 311]))  # forward 1, row b=1, s=2: token s·2 + b = 5 of layer 3
+    capture.begin(2, 3)
+    capture.add(1, torch.zeros(5, 2))  # a shard of the tokens: the capture is not comparable
+    capture.end()
+    assert capture.take()[0] is None
+
+
+def test_r3_arguments_refused_in_one_line(capsys):
+    """R3 sets moe_enable_routing_replay; packing, recompute, TP > 1 are refused with exit 2 and one line."""
+    from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    base = dict(mechanism_routing_replay="r3", tensor_model_parallel_size=1, rl_use_sequence_packing=False,
+                recompute_granularity=None)
+    args = Namespace(**base)
+    apply_routing_replay(args)
+    assert args.moe_enable_routing_replay is True and RUNTIME.routing_replay == "r3"
+    for change, word in (({"rl_use_sequence_packing": True}, "--rl-use-sequence-packing"),
+                         ({"recompute_granularity": "full"}, "--recompute-granularity"),
+                         ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2")):
+        with pytest.raises(SystemExit) as exc:
+            apply_routing_replay(Namespace(**{**base, **change}))
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and word in err[0], err
+    args = Namespace(**{**base, "mechanism_routing_replay": "off"})
+    apply_routing_replay(args)
+    assert not hasattr(args, "moe_enable_routing_replay") and RUNTIME.routing_replay == "off"
+
+
+MLM = os.environ.get("MEGATRON_LM_PATH", "")
+# what the wrappers of patches/rl_rows.py read from each hooked function: the leading parameter names
+HOOKED = {"megatron/rl/rl_utils.py": {
+    "get_logprobs": ["model", "tokens", "position_ids"],
+    "selective_log_softmax": ["logits", "index"],
+    "align_unpacked_inference_logprobs": ["inference_logprobs", "old_logprobs_for_data", "generation_masks"],
+    "prepare_data_for_update": ["model", "ref_state_dict", "rollouts", "tokenizer", "sequence_packing"],
+    "_compute_logprobs_batch": ["model"], "megatron_rl_inference_mode": ["model"]}}
+CONTEXT_FIELDS = ["token_to_input_ids", "token_to_pos_ids", "token_to_request_idx", "request_ids",
+                  "active_token_count", "padded_active_token_count"]
+
+
+@pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set: the hooked signatures are read from a checkout")
+def test_hooked_signatures_match_the_checkout():
+    """The checkout's hooked functions take the parameters the rows read; its engine context has the fields."""
+    root = Path(MLM)
+    for path, functions in HOOKED.items():
+        tree = ast.parse((root / path).read_text())
+        defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name, params in functions.items():
+            assert name in defs, f"{path}: no {name}"
+            assert [a.arg for a in defs[name].args.args][:len(params)] == params, name
+    source = (root / "megatron/core/inference/contexts/dynamic_context.py").read_text()
+    assert "def current_input_and_position_ids(" in source
+    for field in CONTEXT_FIELDS:
+        assert f"self.{field} = " in source, field
