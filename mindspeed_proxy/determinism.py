@@ -14,10 +14,11 @@ import platform
 # environment variables that change which kernels run or how many threads they use
 NUMERIC_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "MKL_CBWR",
                "OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA", "PYTHONHASHSEED")
-# what the demos and matrices launch every process with: one thread, and the AVX2 code path of each numeric
-# library, which any x86-64 CPU with AVX2 takes (docs/determinism.md: what each one changed, measured)
+# what the demos and matrices launch every process with: one thread, the AVX2 code path of torch's kernels and
+# OpenBLAS, which any x86-64 CPU with AVX2 takes, and MKL's COMPATIBLE branch, the one MKL honours on Intel and
+# non-Intel CPUs alike (AVX2 runs AUTO on AMD); docs/determinism.md: what each one changed, measured
 PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OPENBLAS_CORETYPE": "Haswell",
+              "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OPENBLAS_CORETYPE": "Haswell",
               "PYTHONHASHSEED": "0"}
 
 

@@ -1,10 +1,12 @@
-"""The demo's warm-up run twice gives bit-identical numbers (docs/determinism.md).
+"""The demo's warm-up, into the first steps of its fault, run twice gives bit-identical numbers (docs/determinism.md).
 
-Same code path and settings as `make demo`'s first stage (`Matrix.warmup` with
-examples/configs/fault_matrix.yaml: trainer flags, 2 gloo ranks at EP=2, the config's pinned `env`), shortened
-to a few steps so that the suite stays fast.
+Same code path and settings as `make demo` (`Matrix.warmup` with examples/configs/fault_matrix.yaml: trainer flags,
+2 gloo ranks at EP=2, the config's pinned `env`), shortened to a few steps so that the suite stays fast, with the
+demo's fault (`lowp-attention`, its rounding kernels) and the mechanism monitor (its SVDs) switched on from a step
+inside the same run: one launch per copy covers the healthy steps, the faulted ones and the monitor.
 """
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,11 @@ from mindspeed_proxy.experiments import Matrix, Progress, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12  # the smallest warm-up past its 10 LR warm-up steps (the trainer refuses fewer)
+FAULT_START = 6  # the demo's fault from this step: 7 faulted steps, and the spectral sample of step 10 sees them
 
 
-def _records(work: Path) -> list[dict]:
-    return [json.loads(line) for line in open(work / "warmup" / "logs" / "metrics.jsonl", encoding="utf-8")]
+def _records(work: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in open(work / "warmup" / "logs" / name, encoding="utf-8")]
 
 
 def _weights(work: Path) -> dict:
@@ -37,13 +40,17 @@ def _cpu_flags() -> set:
         return set()
 
 
-def test_demo_warmup_twice_gives_bit_identical_losses_and_weights(tmp_path):
+def test_demo_warmup_and_first_faulted_steps_twice_give_bit_identical_numbers(tmp_path):
     cfg = load_config(REPO / "examples" / "configs" / "fault_matrix.yaml", "quick")
     pinned = cfg["env"]["ATEN_CPU_CAPABILITY"].lower()
     if pinned != "default" and pinned not in _cpu_flags():
         pytest.skip(f"the config pins ATEN_CPU_CAPABILITY={pinned}, which this CPU lacks (torch falls back to "
                     "another kernel set, so the pinned-capability assertion cannot hold here)")
-    cfg["warmup"] = {**cfg["warmup"], "iters": STEPS}
+    spec = re.sub(r"start=\d+", f"start={FAULT_START}", cfg["faults"]["lowp-attention"])
+    assert f"start={FAULT_START}" in spec
+    cfg["warmup"] = {**cfg["warmup"], "iters": STEPS,
+                     "args": [*cfg["warmup"].get("args", []), "--inject-fault", spec, "--enable-mechanism-monitor",
+                              "--mechanism-monitor-config", cfg["monitor_config"]]}
     works = [tmp_path / "a", tmp_path / "b"]
     for work in works:
         Matrix(cfg, work, REPO, Progress(quiet=True)).warmup()
@@ -54,6 +61,13 @@ def test_demo_warmup_twice_gives_bit_identical_losses_and_weights(tmp_path):
     numerics = runs[0][0]["numerics"]  # the args record: the ranks ran under the pinned env
     assert numerics["threads"] == 1 and numerics["env"]["MKL_CBWR"] == cfg["env"]["MKL_CBWR"]
     assert numerics["cpu_capability"] == cfg["env"]["ATEN_CPU_CAPABILITY"].upper()
+    monitors = [_records(w, "mechanism_monitor/monitor.jsonl") for w in works]
+    faults = next(r["faults"] for r in monitors[0] if r["type"] == "faults")
+    assert [(f["name"], f["start"]) for f in faults] == [("lowp-attention", FAULT_START)]
+    samples = [[r for r in recs if r["type"] == "sample"] for recs in monitors]
+    spectral_after = {r["family"] for r in samples[0] if r["step"] > FAULT_START and r["family"].endswith("spectral")}
+    assert spectral_after == {"attention-spectral", "update-spectral"}
+    assert json.dumps(samples[0]) == json.dumps(samples[1])  # every statistic of every sample, bit for bit
     a, b = (_weights(w) for w in works)
     assert a.keys() == b.keys() and len(a) > 10
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -184,3 +184,46 @@ def test_compare_verdict_correlates_the_losses_before_the_first_divergence(runs,
     assert pre["before"] == cut and pre["common_steps"] == cut - 1
     assert pre["pearson"] == pytest.approx(1.0) and result["loss"]["pearson"] < 0.99
     assert not any("Pearson" in r for r in result["reasons"])
+
+
+
+def _derived(src, dst, step=None, drop_alerts=False):
+    """A copy of a recorded run with each step record replaced by `step(record)` and/or its alerts dropped."""
+    shutil.copytree(src, dst)
+    if step is not None:
+        recs = jsonl(dst / "metrics.jsonl")
+        with open(dst / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(step(r) if r["type"] == "step" else r) + "\n" for r in recs)
+    if drop_alerts:
+        recs = jsonl(dst / "mechanism_monitor" / "monitor.jsonl")
+        with open(dst / "mechanism_monitor" / "monitor.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs if r["type"] != "alert")
+    return dst
+
+
+def test_demo_verdict_is_the_e3_rule_and_does_not_hinge_on_the_loss_pearson(runs, tmp_path):
+    from mindspeed_proxy.experiments.tables import reproduction_verdict
+
+    a = runs["alerting"]
+    base = compare_runs(a, a)
+    assert base["a"]["diverged"] and base["a"]["first_alert_step"] is not None  # the fixture alerts and diverges
+    cut = base["a"]["divergence_step"]
+    pre = [r["loss"] for r in jsonl(a / "metrics.jsonl") if r["type"] == "step" and r["iteration"] < cut]
+    mean = statistics.fmean(pre)
+
+    def wobble(r):  # before the divergence the loss wobbles around its mean: Pearson far below 0.95
+        return {**r, "loss": mean + 0.01 * (-1) ** r["iteration"]} if r["iteration"] < cut else r
+
+    c = compare_runs(a, _derived(a, tmp_path / "wobble", wobble))
+    assert c["b"]["diverged"] and c["loss_before_divergence"]["pearson"] < 0.95
+    assert c["verdict"] == "inconsistent"  # compare's general question says no ...
+    line = reproduction_verdict("lr-spike", c)
+    assert line.startswith("verdict: the proxy reproduced the fault") and "missed" not in line  # ... E3 says yes
+    assert "did NOT reproduce the healthy run" in reproduction_verdict("none", c)  # healthy pairs: Pearson counts
+    silent = compare_runs(a, _derived(a, tmp_path / "silent", drop_alerts=True))
+    assert reproduction_verdict("lr-spike", silent).endswith("missed: first alerts differ")
+    calm = compare_runs(a, _derived(a, tmp_path / "calm", lambda r: {
+        **r, "loss": mean + 0.01 * (-1) ** r["iteration"], "grad_norm": 1.0}))  # never diverges
+    assert not calm["b"]["diverged"]
+    line = reproduction_verdict("lr-spike", calm)
+    assert line.startswith("verdict: the proxy did NOT reproduce") and "divergence outcome differs" in line

@@ -100,21 +100,42 @@ def e2_rows(cfg: dict, data: dict) -> list[dict]:
     return rows
 
 
+def e3_pair(fault: str, c: dict) -> dict:
+    """E3 of one original-vs-proxy `compare_runs` result under `fault`: the targets missed (`failed`, empty when
+    met): same divergence outcome, first alerts within ±alert_tolerance (or neither alerts), and for the healthy
+    pair only, loss Pearson ≥ min_loss_pearson."""
+    a, b = c["a"], c["b"]
+    fa, fb = a["first_alert_step"], b["first_alert_step"]
+    within = None if fa is None or fb is None else abs(fb - fa) <= c["thresholds"]["alert_tolerance"] * fa
+    pearson_ok = fault != "none" or (c["loss"]["pearson"] or 0) >= c["thresholds"]["min_loss_pearson"]
+    alerts_ok = within if within is not None else (fa is None and fb is None)
+    failed = ([] if a["diverged"] == b["diverged"] else ["divergence outcome differs"]) + \
+        ([] if alerts_ok else ["first alerts differ"]) + ([] if pearson_ok else ["healthy loss Pearson < target"])
+    return {"failed": failed, "within": within, "same_div": a["diverged"] == b["diverged"]}
+
+
+def reproduction_verdict(fault: str, c: dict) -> str:
+    """One line: did the proxy reproduce the original's outcome under `fault`, by `e3_pair` (the E3 targets)."""
+    e3, a, b, th = e3_pair(fault, c), c["a"], c["b"], c["thresholds"]
+    rule = f"same divergence outcome, first alerts within ±{th['alert_tolerance']:.0%}" + (
+        f", loss Pearson ≥ {th['min_loss_pearson']}" if fault == "none" else "")
+    return (f"verdict: the proxy {'reproduced' if not e3['failed'] else 'did NOT reproduce'} "
+            f"{'the healthy run' if fault == 'none' else 'the fault'} (rule: the fault matrix's E3 targets for the "
+            f"pair: {rule}): divergence original {a['divergence_step']} / proxy {b['divergence_step']}, first alert "
+            f"{a['first_alert_step']} ({a['first_alert_family']}) / {b['first_alert_step']} ({b['first_alert_family']})"
+            + ("" if not e3["failed"] else "; missed: " + "; ".join(e3["failed"])))
+
+
 def e3_rows(cfg: dict, data: dict) -> list[dict]:
     """E3: per fault, the compare verdict of original vs proxy and the three targets separately."""
     rows = []
     for fault, c in data["comparisons"].items():
         a, b = c["a"], c["b"]
-        fa, fb = a["first_alert_step"], b["first_alert_step"]
-        within = None if fa is None or fb is None else abs(fb - fa) <= c["thresholds"]["alert_tolerance"] * fa
-        pearson_ok = fault != "none" or (c["loss"]["pearson"] or 0) >= c["thresholds"]["min_loss_pearson"]
-        alerts_ok = within if within is not None else (fa is None and fb is None)
-        failed = ([] if a["diverged"] == b["diverged"] else ["divergence outcome differs"]) + \
-            ([] if alerts_ok else ["first alerts differ"]) + ([] if pearson_ok else ["healthy loss Pearson < target"])
-        rows.append({"fault": fault, "result": "met" if not failed else "MISSED: " + "; ".join(failed),
+        e3 = e3_pair(fault, c)
+        rows.append({"fault": fault, "result": "met" if not e3["failed"] else "MISSED: " + "; ".join(e3["failed"]),
                      "div_a": a["divergence_step"], "div_b": b["divergence_step"],
-                     "same_div": a["diverged"] == b["diverged"], "alert_a": fa, "alert_b": fb,
-                     "fam_a": a["first_alert_family"], "fam_b": b["first_alert_family"], "within": within,
+                     "same_div": e3["same_div"], "alert_a": a["first_alert_step"], "alert_b": b["first_alert_step"],
+                     "fam_a": a["first_alert_family"], "fam_b": b["first_alert_family"], "within": e3["within"],
                      "pearson": c["loss"]["pearson"], "spearman": c["loss"]["spearman"],
                      "pearson_pre": c["loss_before_divergence"]["pearson"],
                      "verdict": c["verdict"], "reasons": c["reasons"]})

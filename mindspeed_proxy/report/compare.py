@@ -97,8 +97,8 @@ def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def format_table(result: dict) -> str:
-    """The comparison as a small plain-text table plus the verdict line."""
+def format_table(result: dict, verdict: bool = True) -> str:
+    """The comparison as a small plain-text table plus (unless `verdict` is False) the verdict line."""
     a, b = result["a"], result["b"]
     rows = [("", "A", "B"), ("run", a["run_dir"], b["run_dir"]),
             ("diverged", a["diverged"], b["diverged"]),
@@ -118,6 +118,8 @@ def format_table(result: dict) -> str:
     for fam, c in result["families"].items():
         lines.append(f"{fam} ({c['metric']}, {c['n']} samples): Pearson {_fmt(c['pearson'])}, "
                      f"Spearman {_fmt(c['spearman'])}")
+    if not verdict:
+        return "\n".join(lines)
     t = result["thresholds"]
     lines.append(f"verdict: {result['verdict']} (loss Pearson >= {t['min_loss_pearson']} before the first "
                  f"divergence, first alerts within "
