@@ -10,8 +10,21 @@ from mindspeed_proxy.experiments.rl_matrix import load_rl_config
 from mindspeed_proxy.monitor.config import MonitorConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def load_agent_config(path):
+    """A train_rl.py --langrl-env-config: every entry is what megatron_agents.env_config writes for its args."""
+    import yaml
+
+    from mindspeed_proxy.rl.megatron_agents import env_config
+
+    entries = yaml.safe_load(Path(path).read_text())
+    assert entries and all(
+        [entry] == env_config(**{k: v for k, v in entry["agent_args"].items() if k != "env_id"}) for entry in entries)
+
+
 LOADERS = {"fault_matrix.yaml": lambda p: [load_config(p, m) for m in ("quick", "full")],
-           "rl_fault_matrix.yaml": load_rl_config}
+           "rl_fault_matrix.yaml": load_rl_config, "megatron_rl_digits.yaml": load_agent_config}
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))

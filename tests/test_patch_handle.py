@@ -7,7 +7,7 @@ import pytest
 from packaging.version import Version
 
 from mindspeed_proxy import patches
-from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches, registry
+from mindspeed_proxy.patches import cpu_transfer, fault_patches, mla_local, monitor_patches, registry
 from mindspeed_proxy.patches.mindspeed_manager import register_with_mindspeed
 from mindspeed_proxy.patches.runtime import RUNTIME
 
@@ -36,7 +36,9 @@ def _current(target):
 def test_apply_returns_a_handle_that_reverts_every_attribute():
     monitor_patches.register_all()
     fault_patches.register_all()
-    targets = [p.target for f in (monitor_patches.FEATURE, fault_patches.FEATURE) for p in registry.rows_for(f)]
+    mla_local.register_all()
+    features = (monitor_patches.FEATURE, fault_patches.FEATURE, mla_local.FEATURE)  # what patches.apply applies
+    targets = [p.target for f in features for p in registry.rows_for(f)]
     before = {}
     for target in targets:
         try:

@@ -106,6 +106,11 @@ class HFTargets:
     ep_group: object = None  # DeepSpeed-MoE's expert-parallel group (None: experts whole on every rank)
     ep_size: int = 1
 
+    @staticmethod
+    def label(layer):
+        """The published name of table row `layer` (Hugging Face models here have no MTP rows)."""
+        return layer
+
 
 def _whole(t):
     return t
