@@ -156,11 +156,19 @@ class ChunkReader:
         except Exception as exc:
             raise ConversionError(f"truncated or unreadable shard: {folder}: {exc}") from None
         self._last: tuple = (None, None)
+        self._chunk_sizes: dict = {}
         pages.register(*{os.path.join(folder, i.relative_path) for i in self.metadata.storage_data.values()})
+
+    def _sizes_by_offsets(self, key: str) -> dict:
+        sizes = self._chunk_sizes.get(key)
+        if sizes is None:
+            sizes = {tuple(c.offsets): tuple(c.sizes) for c in self.metadata.state_dict_metadata[key].chunks}
+            self._chunk_sizes[key] = sizes
+        return sizes
 
     def chunks(self, key: str) -> list:
         """[(offsets, sizes)] of the chunks stored for tensor `key`."""
-        return [(tuple(c.offsets), tuple(c.sizes)) for c in self.metadata.state_dict_metadata[key].chunks]
+        return list(self._sizes_by_offsets(key).items())
 
     def read(self, key: str, offsets: tuple) -> torch.Tensor:
         """The stored chunk of `key` that starts at `offsets` (a fresh tensor)."""
@@ -189,6 +197,9 @@ class ChunkReader:
 
     def region(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         """Global region [offsets, offsets + sizes) of `key`, from the chunks that overlap it."""
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        if self._sizes_by_offsets(key).get(offsets) == sizes:
+            return self.read(key, offsets)
         pieces = []
         for c_off, c_size in self.chunks(key):
             lo = [max(o, co) for o, co in zip(offsets, c_off)]
@@ -197,8 +208,6 @@ class ChunkReader:
                 pieces.append((c_off, c_size, lo, hi))
         if sum(_numel([b - a for a, b in zip(lo, hi)]) for _, _, lo, hi in pieces) != _numel(sizes):
             raise ConversionError(f"{self.folder}: stored chunks of {key} do not cover {list(offsets)}+{list(sizes)}")
-        if len(pieces) == 1 and tuple(pieces[0][0]) == tuple(offsets) and tuple(pieces[0][1]) == tuple(sizes):
-            return self.read(key, tuple(offsets))
         out = None
         for c_off, _, lo, hi in pieces:
             chunk = self.read(key, c_off)
