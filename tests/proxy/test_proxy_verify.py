@@ -147,6 +147,32 @@ def test_pages_drop_only_registered_file_mappings(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+def test_pages_find_registered_mappings_only_among_files_of_the_same_folder(tmp_path):
+    """/proc/self/maps is searched by the registered files' folders: a mapped file of the same folder that
+    is not registered (and one whose name extends a registered name) is never taken for a registered one, and
+    each registered tensor's file offset is where its bytes are."""
+    gen = torch.Generator().manual_seed(1)
+    names = ["a.pt", "a.pt.bak", "b.pt"]
+    saved = {name: torch.randn(1 << 16, generator=gen) for name in names}
+    for name, t in saved.items():
+        torch.save({"w": t}, tmp_path / name)
+    loaded = {name: torch.load(tmp_path / name, mmap=True, weights_only=True)["w"] for name in names}
+    pages.register(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    try:
+        places = pages.file_ranges([loaded[n] for n in names])
+        assert places[1] is None
+        for name, place in zip(names, places):
+            if place is None:
+                continue
+            assert place[0] == os.path.realpath(tmp_path / name)
+            with open(place[0], "rb") as fh:
+                fh.seek(place[1])
+                assert fh.read(saved[name].nbytes) == saved[name].numpy().tobytes()
+        assert places[0] is not None and places[2] is not None
+    finally:
+        pages.unregister_all()
+
+
 def test_equal_in_blocks_reads_mapped_files_without_touching_the_mappings(tmp_path):
     """Two tensors memory-mapped from registered files are compared by pread, block by block: equal ones
     pass with none of their pages resident, a byte changed in a later block (or a slice starting elsewhere)

@@ -23,6 +23,7 @@ WRITE_BYTES = 4 << 20  # DropAfterWrite writes a large record (and drops its map
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ENABLED = sys.platform.startswith("linux")
 _files: set = set()
+_folders: set = set()  # the registered files' folders: a cheap test that skips other lines of /proc/self/maps
 _ranges: list = []  # (start, end, path, file offset) of mappings of registered files
 _last_refresh = [0.0]
 REFRESH_SECONDS = 0.02  # an address outside every known mapping re-reads /proc/self/maps at most this often
@@ -32,12 +33,15 @@ _libc = None
 def register(*paths: str) -> None:
     """Allow dropping pages of mappings of these files (checkpoint files that are only ever read)."""
     _files.update(os.path.realpath(p) for p in paths)
+    _folders.clear()
+    _folders.update(os.path.dirname(p) + "/" for p in _files)
     _last_refresh[0] = 0.0
 
 
 def unregister_all() -> None:
     """Forget every registered file (end of a conversion)."""
     _files.clear()
+    _folders.clear()
     _ranges.clear()
 
 
@@ -49,13 +53,22 @@ def _refresh(force: bool = False) -> None:
     _ranges.clear()
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].strip() in _files:
-                    start, end = parts[0].split("-")
-                    _ranges.append((int(start, 16), int(end, 16), parts[5].strip(), int(parts[2], 16)))
+            text = fh.read()
     except OSError:
-        pass
+        return
+    starts = set()
+    for folder in _folders:  # only the lines that name a registered folder are split
+        i = text.find(folder)
+        while i >= 0:
+            starts.add(text.rfind("\n", 0, i) + 1)
+            end = text.find("\n", i)
+            i = -1 if end < 0 else text.find(folder, end)
+    for start in sorted(starts):
+        end = text.find("\n", start)
+        parts = text[start:len(text) if end < 0 else end].split(None, 5)
+        if len(parts) == 6 and parts[5].strip() in _files:
+            first, last = parts[0].split("-")
+            _ranges.append((int(first, 16), int(last, 16), parts[5].strip(), int(parts[2], 16)))
 
 
 def _mapping(start: int, end: int):
