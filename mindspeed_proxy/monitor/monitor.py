@@ -195,8 +195,10 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
                     ws = router_weight_stats(router.weight.detach())
                     weights[layer, :-1] = torch.stack([ws[k] for k in ROUTER_WEIGHT_KEYS]).float()
                     weights[layer, -1] = 1.0
+            stats.flush()  # the held router calls: a failure here is the family's, before the collective
         except Exception:
             self._fail("router")
+            stats.reset()
         flat = torch.cat([stats.as_tensor(), weights.view(-1), self._flags()])
         R.reduce_router_tokens(flat, g)
         n_tok = stats.as_tensor().numel()

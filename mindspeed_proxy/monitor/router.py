@@ -53,7 +53,8 @@ class RouterStats:
     2^24 tokens per layer between resets and within 6e-8 relative beyond.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, topk: int, device=None, chunk_size: int = 8192):
+    def __init__(self, num_layers: int, num_experts: int, topk: int, device=None, chunk_size: int = 8192,
+                 pending_bytes: int = 16 << 20):
         if num_layers < 1 or num_experts < 1 or not 1 <= topk <= num_experts:
             raise ValueError(f"need num_layers ≥ 1, num_experts ≥ 1, 1 ≤ topk ≤ num_experts; got "
                              f"{num_layers}, {num_experts}, {topk}")
@@ -61,8 +62,10 @@ class RouterStats:
         self.num_experts = num_experts
         self.topk = topk
         self.chunk_size = chunk_size
+        self.pending_bytes = pending_bytes
         self._buffer = torch.zeros(num_layers, _LOAD + num_experts, dtype=torch.float32, device=device)
-        self._scratch = torch.zeros(_LOAD + num_experts, dtype=torch.float32, device=device)  # one chunk's sums
+        self._pending: list = []  # (layer, fp32 logits [n, E], expert ids [n·k] / routing map [n, E] / None)
+        self._held = 0
 
     @property
     def device(self) -> torch.device:
@@ -70,52 +73,108 @@ class RouterStats:
         return self._buffer.device
 
     def reset(self) -> None:
-        """Zero every accumulator."""
+        """Zero every accumulator (calls not yet folded in are dropped too)."""
+        self._pending, self._held = [], 0
         self._buffer.zero_()
 
     def as_tensor(self) -> torch.Tensor:
-        """The flat fp32 accumulator (a view: reducing it in place reduces the stats)."""
+        """The flat fp32 accumulator, every call folded in (a view: reducing it in place reduces the stats)."""
+        self.flush()
         return self._buffer.view(-1)
 
     @torch.no_grad()
     def update(self, layer_index: int, logits: torch.Tensor, topk_indices: Optional[torch.Tensor] = None) -> None:
         """Accumulate one layer's routing: logits [..., E] before top-k; topk_indices [..., k] or a bool routing map [..., E].
 
-        Adds the token count, Σ over tokens of the softmax entropy over all E (fp32, in chunks of
-        `chunk_size` tokens), the Σ of the top-k margin logit_(k) − logit_(k+1) (0 when k = E) and
-        the tokens per expert from `topk_indices` (derived from the logits' top-k when None).
+        Adds the token count, Σ over tokens of the softmax entropy over all E (fp32), the Σ of the top-k
+        margin logit_(k) − logit_(k+1) (0 when k = E) and the tokens per expert from `topk_indices`
+        (derived from the logits' top-k when None). The call keeps a copy and folds it in with the other
+        held calls in one batch (`flush`, at the latest when `pending_bytes` are held or the sums are read):
+        this runs inside every router forward, where a dozen small kernels per call cost more than the
+        arithmetic (benchmarks/bench_monitor_overhead.py).
         """
         if not 0 <= layer_index < self.num_layers:
             raise IndexError(f"layer_index {layer_index} out of range for {self.num_layers} layers")
         num_experts = self.num_experts
         if logits.shape[-1] != num_experts:
             raise ValueError(f"logits last dim {logits.shape[-1]} != num_experts {num_experts}")
-        flat = logits.reshape(-1, num_experts)
-        row, vec, k = self._buffer[layer_index], self._scratch, self.topk
+        flat = logits.detach().reshape(-1, num_experts)
+        chosen = None
+        if topk_indices is not None:
+            chosen = (topk_indices.detach().reshape(-1, num_experts).clone() if topk_indices.dtype == torch.bool
+                      else topk_indices.detach().reshape(-1).long())  # .long() copies an int32/int16 tensor
+            if chosen.data_ptr() == topk_indices.data_ptr():
+                chosen = chosen.clone()
+        nbytes = flat.shape[0] * num_experts * 4
+        if nbytes >= self.pending_bytes:  # a large call: folded in at once, without a copy of its logits
+            self.flush()
+            self._fold([(layer_index, flat, chosen)])
+            return
+        self._pending.append((layer_index, flat.to(torch.float32, copy=True), chosen))
+        self._held += nbytes
+        if self._held >= self.pending_bytes:
+            self.flush()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Fold every held call into the accumulators."""
+        pending, self._pending, self._held = self._pending, [], 0
+        if pending:
+            self._fold(pending)
+
+    def _fold(self, calls: list) -> None:
+        num_layers, num_experts, k = self.num_layers, self.num_experts, self.topk
         width = min(k + 1, num_experts)
-        tokens, entropy, margin, load = vec[_TOKENS], vec[_ENTROPY], vec[_MARGIN], vec[_LOAD:]
-        if width == k:
-            margin.zero_()
-        if topk_indices is not None:  # the load is added once, with the first chunk's sums
-            if topk_indices.dtype == torch.bool:
-                torch.sum(topk_indices.reshape(-1, num_experts), dim=0, dtype=torch.float32, out=load)
-            else:
-                load.copy_(torch.bincount(topk_indices.reshape(-1).long(), minlength=num_experts))
-        # few kernels per chunk and no host sync: this runs inside every router forward (benchmarks/)
-        for start in range(0, flat.shape[0], self.chunk_size):
-            chunk = flat[start:start + self.chunk_size].float()
-            tokens.fill_(chunk.shape[0])
+        device = self._buffer.device
+
+        def small(values, dtype=torch.long):  # host lists to the device without waiting on its stream
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        counts = [c[1].shape[0] for c in calls]
+        logits = torch.cat([c[1] for c in calls]) if len(calls) > 1 else calls[0][1]
+        rows = logits.shape[0]
+        row_layer = torch.repeat_interleave(small([c[0] for c in calls]), small(counts), output_size=rows)
+        entropy = torch.empty(rows, dtype=torch.float64, device=device)
+        margin = torch.zeros(rows, dtype=torch.float64, device=device)
+        derive = [c[2] is None for c in calls]
+        keys = []
+        for start in range(0, rows, self.chunk_size):
+            chunk = logits[start:start + self.chunk_size].float()
+            n = chunk.shape[0]
             # the experts along dim 0: a softmax over a short last dim runs a slow per-token loop;
             # entr() gives 0·log 0 = 0 for −inf logits and keeps NaN
-            torch.sum(torch.special.entr(torch.softmax(chunk.T.contiguous(), dim=0)), dim=(0, 1), out=entropy)
+            torch.sum(torch.special.entr(torch.softmax(chunk.T.contiguous(), dim=0)), dim=0, out=entropy[start:start + n])
             top = torch.topk(chunk, width, dim=-1, sorted=True)
             if width > k:
-                torch.sum(top.values[:, k - 1] - top.values[:, k], dim=0, out=margin)
-            if topk_indices is None:
-                load.copy_(torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts))
-            elif start:
-                load.zero_()
-            row.add_(vec)
+                torch.sub(top.values[:, k - 1], top.values[:, k], out=margin[start:start + n])
+            if any(derive):
+                keys.append(row_layer[start:start + n, None] * num_experts + top.indices[:, :k])
+        owner = torch.zeros(num_layers, len(calls), dtype=torch.float64, device=device)
+        owner[small([c[0] for c in calls]), torch.arange(len(calls), device=device)] = 1.0
+        ends = small(counts).cumsum(0) - 1
+
+        def per_call(values):  # [rows, m] -> [calls, m] sums of each call's rows, from float64 running sums
+            sums = values.cumsum(0, dtype=torch.float64)[ends]
+            sums[1:] -= sums[:-1].clone()
+            return sums
+
+        token_sums = torch.cat([small(counts, torch.float64)[:, None], per_call(torch.stack([entropy, margin], 1))], 1)
+        self._buffer[:, :_LOAD] += (owner @ token_sums).float()
+        load = torch.zeros(num_layers * num_experts, dtype=torch.float32, device=device)
+        if keys:
+            weight = torch.repeat_interleave(small(derive, torch.float32), small(counts), output_size=rows)
+            load += torch.bincount(torch.cat(keys).reshape(-1), weights=weight[:, None].expand(rows, k).reshape(-1),
+                                   minlength=num_layers * num_experts).float()
+        ids = [(c[0], c[2]) for c in calls if c[2] is not None and c[2].dtype != torch.bool]
+        if ids:
+            load += torch.bincount(torch.cat([layer * num_experts + chosen for layer, chosen in ids]),
+                                   minlength=num_layers * num_experts).float()
+        maps = [c[2] if c[2] is not None and c[2].dtype == torch.bool else None for c in calls]
+        if any(m is not None for m in maps):
+            filled = torch.cat([m if m is not None else torch.zeros(n, num_experts, dtype=torch.bool, device=device)
+                                for m, n in zip(maps, counts)])
+            load += (owner @ per_call(filled)).float().view(-1)
+        self._buffer[:, _LOAD:] += load.view(num_layers, num_experts)
 
     def reduce(self, groups: Iterable) -> None:
         """All-reduce (SUM) the accumulators over each process group in order; None entries are skipped."""
@@ -123,12 +182,14 @@ class RouterStats:
 
         if not (dist.is_available() and dist.is_initialized()):
             return
+        self.flush()
         for group in groups:
             if group is not None:
                 dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=group)
 
     def load(self) -> torch.Tensor:
         """Tokens routed to each expert so far, [L, E]."""
+        self.flush()
         return self._buffer[:, _LOAD:]
 
     def summary(self, ep_size: int = 1) -> dict[str, torch.Tensor]:
@@ -142,6 +203,7 @@ class RouterStats:
         num_experts = self.num_experts
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"ep_size {ep_size} must divide num_experts {num_experts}")
+        self.flush()
         buf = self._buffer
         tokens = buf[:, _TOKENS]
         seen = tokens > 0

@@ -129,6 +129,44 @@ def test_router_stats_explicit_indices_and_routing_map():
         by_map.update(0, logits[:, :4])
 
 
+@pytest.mark.parametrize("pending_bytes", [1, 3000, 1 << 30])
+def test_router_stats_batched_calls_equal_per_layer_float64_sums(pending_bytes):
+    """Calls held and folded in together (layers interleaved; derived top-k, explicit ids and routing maps
+    mixed; a call larger than the limit folded at once) give each layer the float64 sums of its own calls."""
+    gen = torch.Generator().manual_seed(5)
+    num_layers, num_experts, k = 3, 8, 2
+    stats = RouterStats(num_layers, num_experts, k, chunk_size=16, pending_bytes=pending_bytes)
+    want = {layer: {"tokens": 0, "entropy": 0.0, "margin": 0.0, "load": np.zeros(num_experts)}
+            for layer in range(num_layers)}
+    for call in range(9):
+        layer, tokens = call % num_layers, 7 + 13 * call
+        logits = 2.5 * torch.randn(tokens, num_experts, generator=gen)
+        kind = call % 3 if call != 4 else 0
+        routing = None
+        if kind:
+            ids = torch.randint(0, num_experts, (tokens, k), generator=gen)
+            routing = ids if kind == 1 else torch.zeros(tokens, num_experts, dtype=torch.bool).scatter(1, ids, True)
+        stats.update(layer, logits, routing)
+        entropy, load, margin = reference_routing(logits.double().numpy(), k)
+        if routing is not None:
+            load = np.bincount(ids.reshape(-1).numpy(), minlength=num_experts) if kind == 1 \
+                else routing.sum(0).numpy()
+        w = want[layer]
+        w["tokens"] += tokens
+        w["entropy"] += entropy.sum()
+        w["margin"] += margin.sum()
+        w["load"] = w["load"] + load
+    summary = stats.summary()
+    for layer, w in want.items():
+        assert summary["tokens"][layer].item() == w["tokens"]
+        assert summary["entropy"][layer].item() == pytest.approx(w["entropy"] / w["tokens"], rel=1e-5)
+        assert summary["margin"][layer].item() == pytest.approx(w["margin"] / w["tokens"], rel=1e-5)
+        assert summary["load"][layer].tolist() == w["load"].tolist()
+    stats.update(0, torch.randn(5, num_experts, generator=gen))
+    stats.reset()  # a held call is dropped with the sums
+    assert stats.as_tensor().abs().sum().item() == 0.0
+
+
 def test_router_stats_summary_load_metrics():
     stats = RouterStats(num_layers=2, num_experts=4, topk=1)
     # layer 0: experts get 6, 2, 0, 0 tokens
