@@ -62,7 +62,11 @@ _MISSING = object()
 
 
 def register(patch: Patch) -> Patch:
-    """Add `patch` to the registry table (idempotent per target+feature)."""
+    """Add `patch` to the registry table (idempotent per target+feature); a target has one owning feature."""
+    owners = {p.feature for p in _REGISTRY if p.target == patch.target} - {patch.feature}
+    if owners:  # apply_feature patches a target once: a second feature's row would be skipped silently
+        raise ValueError(f"patch target {patch.target} of feature {patch.feature} is already a row of feature "
+                         f"{sorted(owners)[0]}: compose both in one wrapper of one feature")
     if not any(p.target == patch.target and p.feature == patch.feature for p in _REGISTRY):
         _REGISTRY.append(patch)
     return patch

@@ -219,7 +219,9 @@ def missing_rows(root, config_path):
     from mindspeed_proxy.patches.registry import Patch, UnsupportedVersionError, register
 
     pm.apply_patches()  # again, with every row we registered: nothing to raise
-    register(Patch("megatron.core.optimizer:get_megatron_optimizer", _identity_wrapper, "too-new", versions="<0.1"))
+    # a target no feature of ours patches (a target has one owning feature)
+    register(Patch("megatron.core.optimizer:get_standard_config_overrides", _identity_wrapper, "too-new",
+                   versions="<0.1"))
     try:
         register_with_mindspeed(pm, "too-new")
     except UnsupportedVersionError as exc:
@@ -241,7 +243,7 @@ def test_rows_for_absent_modules_do_not_crash_apply_patches(config_path):
     assert out["megatron_training"] is False  # megatron-core only: the optional megatron.training rows are absent
     assert not any(name.startswith(("megatron.training", "megatron.no_such_module")) for name in out["wrappers"])
     assert out["sampled"] is not None  # trained with the monitor on
-    assert "\n" not in out["gate"] and "megatron.core.optimizer:get_megatron_optimizer" in out["gate"]
+    assert "\n" not in out["gate"] and "megatron.core.optimizer:get_standard_config_overrides" in out["gate"]
     assert "written for megatron-core <0.1" in out["gate"]
     assert "megatron.training" in out["unfiltered"]  # what registering it anyway does to MindSpeed's apply_patches
 
@@ -256,7 +258,7 @@ def gated_rows(root):
     from mindspeed_proxy.patches.mindspeed_manager import register_with_mindspeed
     from mindspeed_proxy.patches.registry import Patch, register
 
-    register(Patch("megatron.core.optimizer:get_megatron_optimizer", _identity_wrapper, "t-gates"))
+    register(Patch("megatron.core.optimizer:get_standard_config_overrides", _identity_wrapper, "t-gates"))
     register(Patch("megatron.core.optimizer:OptimizerConfig", _identity_wrapper, "t-gates", versions="<0.1"))
     register(Patch("megatron.core.optimizer:no_such_attribute", _identity_wrapper, "t-gates", optional=True))
     out = {"paths": register_with_mindspeed(pm, "t-gates")}
@@ -267,7 +269,7 @@ def gated_rows(root):
 
 def test_the_mindspeed_route_applies_the_version_gates_and_skips_absent_optional_rows():
     out = run_distributed(gated_rows, 1, MINDSPEED)[0]
-    assert out["paths"] == out["registered"] == ["megatron.core.optimizer.get_megatron_optimizer"]
+    assert out["paths"] == out["registered"] == ["megatron.core.optimizer.get_standard_config_overrides"]
 
 
 def validation_errors(root):
@@ -302,7 +304,12 @@ def test_our_adaptor_first_leaves_megatron_unimported():
             f"from test_mindspeed import load_mindspeed; load_mindspeed({MINDSPEED!r}); "
             "sys.argv = ['train.py', '--enable-mechanism-monitor']; import mindspeed_proxy.megatron_adaptor; "
             "from mindspeed.patch_utils import MindSpeedPatchesManager as pm; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'), len(pm.patches_info))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'), *sorted(pm.patches_info))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["[]", "3"]  # 3 rows waiting in the manager, no megatron module loaded
+    waiting = ["megatron.core.inference.contexts.dynamic_context.DynamicInferenceContext.current_input_and_position_ids",
+               "megatron.core.optimizer.get_megatron_optimizer",
+               "megatron.core.transformer.moe.moe_layer.MoELayer.forward",
+               "megatron.core.transformer.moe.router.TopKRouter.routing",
+               "megatron.core.transformer.multi_latent_attention.MultiLatentAttention.__init__"]
+    assert proc.stdout.split() == ["[]"] + waiting  # the rows wait in the manager, no megatron module loaded

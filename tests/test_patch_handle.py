@@ -68,14 +68,14 @@ def test_an_optional_row_skips_an_absent_attribute_instead_of_creating_it(rows):
     rows(target="json:no_such_attribute", build=lambda original: "made", feature="t-optional", optional=True)
     assert registry.apply_feature("t-optional") == []
     assert not hasattr(json, "no_such_attribute")
-    rows(target="json:no_such_attribute", build=lambda original: "made", feature="t-required")
-    with pytest.raises(AttributeError, match="patch target json:no_such_attribute does not exist"):
+    rows(target="json:no_such_attribute_b", build=lambda original: "made", feature="t-required")  # one owner a target
+    with pytest.raises(AttributeError, match="patch target json:no_such_attribute_b does not exist"):
         registry.apply_feature("t-required")
-    assert not hasattr(json, "no_such_attribute")
-    rows(target="json:no_such_attribute", build=lambda original: original, feature="t-create", create=True)
+    assert not hasattr(json, "no_such_attribute_b")
+    rows(target="json:no_such_attribute_c", build=lambda original: original, feature="t-create", create=True)
     with registry.apply_feature("t-create"):
-        assert json.no_such_attribute is None  # a create row defines it (as build(None))
-    assert not hasattr(json, "no_such_attribute")  # and its revert removes it
+        assert json.no_such_attribute_c is None  # a create row defines it (as build(None))
+    assert not hasattr(json, "no_such_attribute_c")  # and its revert removes it
 
 
 def test_torch_rows_are_gated_by_the_torch_version(monkeypatch):
@@ -110,8 +110,8 @@ def test_the_mindspeed_route_applies_the_same_gates_as_the_direct_route(rows):
     assert manager.registered == ["json.dumps"]
     with registry.apply_feature("t-route") as direct:
         assert list(direct) == ["json:dumps"]
-    rows(target="json:dumps", build=lambda original: original, feature="t-too-new", versions="<0.1")
+    rows(target="json:JSONEncoder", build=lambda original: original, feature="t-too-new", versions="<0.1")
     for route in (lambda: register_with_mindspeed(manager, "t-too-new"),
                   lambda: registry.apply_feature("t-too-new")):
-        with pytest.raises(registry.UnsupportedVersionError, match="json:dumps written for megatron-core <0.1"):
+        with pytest.raises(registry.UnsupportedVersionError, match="json:JSONEncoder written for megatron-core <0.1"):
             route()

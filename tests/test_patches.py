@@ -109,6 +109,25 @@ def test_list_prints_the_registry_table(capsys):
     assert "megatron.core.optimizer:get_megatron_optimizer" in out and "applies" in out
 
 
+def test_a_target_has_one_owning_feature(capsys):
+    """apply_feature patches each target once, so a second feature's row on the same target would be skipped
+    without a word: registering one is refused, naming both features, and the table is unchanged."""
+    from mindspeed_proxy.patches.__main__ import main
+    from mindspeed_proxy.patches.registry import Patch, register, table
+
+    assert main(["--list"]) == 0  # registers every row
+    capsys.readouterr()
+    rows = table()
+    owners = {}
+    for row in rows:
+        owners.setdefault(row.target, set()).add(row.feature)
+    assert all(len(features) == 1 for features in owners.values())
+    taken = next(r for r in rows if r.feature == "mechanism-monitor")
+    with pytest.raises(ValueError, match=f"{taken.target} of feature other-feature .* mechanism-monitor"):
+        register(Patch(taken.target, lambda original: original, "other-feature"))
+    assert table() == rows
+
+
 def plain_torch_optimizer_steps(enable):
     """The monitor enabled (or not) in a loop whose optimizer is not Megatron's: two steps."""
     from torch.optim.optimizer import _global_optimizer_post_hooks as global_hooks

@@ -126,13 +126,15 @@ def test_registry_skips_a_row_written_for_other_megatron_lines():
 
     from mindspeed_proxy.patches import registry
 
-    registry.register(registry.Patch("math:tau", lambda orig: -1.0, "test-version-gate", versions="<0.1"))
-    registry.register(registry.Patch("math:e", lambda orig: orig, "test-version-gate"))
+    rows = [registry.register(registry.Patch("math:tau", lambda orig: -1.0, "test-version-gate", versions="<0.1")),
+            registry.register(registry.Patch("math:e", lambda orig: orig, "test-version-gate"))]
     try:
         assert registry.apply_feature("test-version-gate") == ["math:e"]
         assert math.tau > 6 and "math:tau" not in registry.applied()
     finally:
         assert registry.revert_feature("test-version-gate") == ["math:e"]
+        for row in rows:  # one feature owns a target: leave the table as it was
+            registry._REGISTRY.remove(row)
 
 
 def test_device_contexts_still_work_under_the_cpu_layer():

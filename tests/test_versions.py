@@ -79,10 +79,13 @@ def test_an_imported_package_info_module_wins(monkeypatch):
         registry.check_supported()
     message = str(info.value)
     assert "\n" not in message and "megatron-core 0.11.0rc1" in message and registry.MEGATRON_CORE_SUPPORTED in message
-    registry.register(registry.Patch("math:tau", lambda orig: orig, "test-gate-refusal"))
-    with pytest.raises(registry.UnsupportedVersionError):
-        registry.apply_feature("test-gate-refusal")
-    assert "math:tau" not in registry.applied()
+    row = registry.register(registry.Patch("math:inf", lambda orig: orig, "test-gate-refusal"))
+    try:
+        with pytest.raises(registry.UnsupportedVersionError):
+            registry.apply_feature("test-gate-refusal")
+        assert "math:inf" not in registry.applied()
+    finally:
+        registry._REGISTRY.remove(row)
 
 
 def all_rows():
