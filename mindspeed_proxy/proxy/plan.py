@@ -39,7 +39,7 @@ def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Calla
         _check_non_finite(plan, options, before_forward=True)
     plan.inputs = _gather_inputs(ckpt, options, plan)
     if not usage and plan.inputs.get("calibration_usage"):
-        usage = {layer: plan.inputs["calibration_usage"][layer.global_layer] for layer in ckpt.layers}
+        usage = {layer: plan.inputs["calibration_usage"][layer.id] for layer in ckpt.layers}
     plan.inputs["usage_source"] = "usage-file" if options.usage_file else "calibration" if usage else None
     if (options.selection == "usage" or options.representative in ("usage", "merge") or options.usage_weighted) \
             and not usage:
@@ -64,7 +64,7 @@ def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Calla
         norms = router_norms(ckpt, layer) if options.selection == "cluster" and options.representative == "medoid" \
             else None
         result = _select(options, plan, layer, index, sim, options.target_k, rules["num_groups"], usage.get(layer),
-                         saliency.get(layer.global_layer), bad, norms)
+                         saliency.get(layer.id), bad, norms)
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
@@ -118,7 +118,7 @@ def _select(options: Options, plan: Plan, layer, index: int, sim, k: int, groups
     if options.selection == "random":
         return clustering.random_selection(sim, k, (options.seed, index), groups)
     if options.selection == "reconstruction":
-        result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
+        result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.id])
         result["reconstruction"]["inputs"] = options.reconstruction_inputs
         return result
     if options.selection == "usage":
