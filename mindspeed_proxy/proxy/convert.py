@@ -14,6 +14,7 @@ from mindspeed_proxy.proxy.core import process_state
 from mindspeed_proxy.proxy.io import hashing, output_guard, pages
 from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
 from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
+from mindspeed_proxy.proxy.io.dist.summary import describe_layer_types, layer_type_summary, metadata_tensors
 from mindspeed_proxy.proxy.io.manifest import build_manifest, write_manifest
 from mindspeed_proxy.proxy.plan import describe, launch_flags, make_plan
 from mindspeed_proxy.proxy.verify.legacy import verify_legacy
@@ -152,7 +153,11 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
         verification = WRITE_AND_VERIFY[ckpt.format](ckpt, plan, tmp, hasher, workers)
-        write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
+        manifest = build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format)
+        if ckpt.format == "torch_dist":
+            written = os.path.join(tmp, os.path.relpath(ckpt.folder, ckpt.root))
+            manifest["layer_types"] = layer_type_summary(ckpt.index.tensors, metadata_tensors(written), plan)
+        write_manifest(tmp, manifest)
         if os.path.exists(save):
             shutil.rmtree(save)
         os.rename(tmp, save)
@@ -166,6 +171,8 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             raise ConversionError(f"a worker process died while writing the proxy ({exc}); nothing written") from None
         raise
     echo(f"verified: {verification}")
+    if "layer_types" in manifest:
+        echo(describe_layer_types(manifest["layer_types"]))
     echo(f"proxy written to {save}")
     if ckpt.format == "hf":
         echo(f"load with: AutoModelForCausalLM.from_pretrained({save!r}) ({plan.target.num_experts} experts)")
