@@ -3,10 +3,13 @@ the real trainer: the MTP layer's MoE is pruned with its own selection in both f
 last stage), recorded as `mtp.0`, verified, and the proxy loads into megatron-core and matches the original with
 the dropped experts' routes masked, in the decoder and the MTP layer alike."""
 import json
+import math
 import os
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
@@ -94,8 +97,42 @@ def masked_check(src, out, fmt, args, k, kept):
             "mtp_unmasked": (got[1] - plain[1]).abs().max().item(), "checked": checked}
 
 
+def _sizes(folder):
+    """{key: (params, bytes)} of every model tensor of a torch_dist iteration folder (optimizer state excluded)."""
+    meta = FileSystemReader(folder).read_metadata().state_dict_metadata
+    out = {}
+    for key, m in meta.items():
+        if isinstance(m, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state")):
+            n = math.prod(m.size)
+            out[key] = (n, n * m.properties.dtype.itemsize)
+    return out
+
+
+def check_layer_type_summary(src, out, manifest, kept, printed):
+    """The converter's per-layer-type summary (torch_dist) against the two checkpoints' own metadata: totals,
+    halved routed experts and router rows (E = 8 -> K = 4) in the MoE and MTP layers, the rest unchanged."""
+    summary = manifest["layer_types"]
+    before, after = _sizes(os.path.join(src, "iter_0000002")), _sizes(os.path.join(out, "iter_0000002"))
+    assert summary["total"] == {"params": [sum(v[0] for v in before.values()), sum(v[0] for v in after.values())],
+                                "bytes": [sum(v[1] for v in before.values()), sum(v[1] for v in after.values())]}
+    assert summary["layers"] == {"dense": [], "moe": [0, 1], "mtp": ["mtp.0"], "other": []}
+    parts = {(r["type"], r["part"]): r for r in summary["parts"]}
+    for kind in ("moe", "mtp"):
+        for part in ("routed experts", "router weight", "router expert_bias"):
+            assert parts[kind, part]["params"][1] * 2 == parts[kind, part]["params"][0] > 0, (kind, part)
+        for part in ("shared expert", "attention, norms"):
+            assert parts[kind, part]["params"][0] == parts[kind, part]["params"][1] > 0, (kind, part)
+    router = MTP_PREFIX + "router.weight"
+    assert parts["mtp", "router weight"]["params"] == [before[router][0], after[router][0]]
+    assert parts["mtp", "MTP eh_proj, enorm, hnorm, final norm"]["params"][0] > 0
+    assert parts["other", "embedding, output layer, final norm"]["params"][0] > 0
+    for entry in summary["experts"]:
+        assert entry["kept"] == kept[entry["layer"]] and sorted(entry["kept"] + entry["dropped"]) == list(range(8))
+    assert "per layer type (params, bytes: source -> proxy):" in printed and "mtp.0: routed experts kept" in printed
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_path, fmt):
+def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_path, fmt, capsys):
     src = (checkpoints if fmt == "torch" else dist_checkpoints)("mtp")
     out = str(tmp_path / "proxy")
     kept, manifest = _convert(src, out, 1, 4, "--selection", "random", "--seed", "3")
@@ -104,6 +141,8 @@ def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_pa
     assert entry["prefix"] == MTP_PREFIX and entry["pipeline_stage"] == 0
     assert kept["mtp.0"] != kept[1] or kept["mtp.0"] != kept[0]  # its own selection (random, per-layer draws)
     assert manifest["verification"]["router_rows"] > 0
+    if fmt == "torch_dist":
+        check_layer_type_summary(src, out, manifest, kept, capsys.readouterr().out)
     results = run_distributed(masked_check, 2, src, out, fmt, _args(src, fmt), 4, kept, timeout=300)
     for r in results:
         assert r["masked"] <= 1e-6, r  # observed: 0.0
