@@ -108,22 +108,31 @@ def _sizes(folder):
     return out
 
 
-def check_layer_type_summary(src, out, manifest, kept, printed):
-    """The converter's per-layer-type summary (torch_dist) against the two checkpoints' own metadata: totals,
-    halved routed experts and router rows (E = 8 -> K = 4) in the MoE and MTP layers, the rest unchanged."""
+def check_layer_type_summary(dist_src, out, fmt, manifest, kept, printed):
+    """The converter's per-layer-type summary against the checkpoints' own metadata (the torch_dist form of the same
+    model for a legacy source): totals, halved routed experts and router rows (E = 8 -> K = 4) in the MoE and MTP
+    layers, the rest unchanged."""
     summary = manifest["layer_types"]
-    before, after = _sizes(os.path.join(src, "iter_0000002")), _sizes(os.path.join(out, "iter_0000002"))
-    assert summary["total"] == {"params": [sum(v[0] for v in before.values()), sum(v[0] for v in after.values())],
-                                "bytes": [sum(v[1] for v in before.values()), sum(v[1] for v in after.values())]}
+    before = _sizes(os.path.join(dist_src, "iter_0000002"))
+    total = summary["total"]
+    assert [total["params"][0], total["bytes"][0]] == [sum(v[0] for v in before.values()),
+                                                       sum(v[1] for v in before.values())]
     assert summary["layers"] == {"dense": [], "moe": [0, 1], "mtp": ["mtp.0"], "other": []}
     parts = {(r["type"], r["part"]): r for r in summary["parts"]}
+    halved = 0
     for kind in ("moe", "mtp"):
         for part in ("routed experts", "router weight", "router expert_bias"):
             assert parts[kind, part]["params"][1] * 2 == parts[kind, part]["params"][0] > 0, (kind, part)
+            halved += parts[kind, part]["params"][1]
         for part in ("shared expert", "attention, norms"):
             assert parts[kind, part]["params"][0] == parts[kind, part]["params"][1] > 0, (kind, part)
+    assert total["params"][1] == total["params"][0] - halved
+    if fmt == "torch_dist":
+        after = _sizes(os.path.join(out, "iter_0000002"))
+        assert [total["params"][1], total["bytes"][1]] == [sum(v[0] for v in after.values()),
+                                                           sum(v[1] for v in after.values())]
     router = MTP_PREFIX + "router.weight"
-    assert parts["mtp", "router weight"]["params"] == [before[router][0], after[router][0]]
+    assert parts["mtp", "router weight"]["params"][0] == before[router][0]
     assert parts["mtp", "MTP eh_proj, enorm, hnorm, final norm"]["params"][0] > 0
     assert parts["other", "embedding, output layer, final norm"]["params"][0] > 0
     for entry in summary["experts"]:
@@ -141,8 +150,7 @@ def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_pa
     assert entry["prefix"] == MTP_PREFIX and entry["pipeline_stage"] == 0
     assert kept["mtp.0"] != kept[1] or kept["mtp.0"] != kept[0]  # its own selection (random, per-layer draws)
     assert manifest["verification"]["router_rows"] > 0
-    if fmt == "torch_dist":
-        check_layer_type_summary(src, out, manifest, kept, capsys.readouterr().out)
+    check_layer_type_summary(dist_checkpoints("mtp"), out, fmt, manifest, kept, capsys.readouterr().out)
     results = run_distributed(masked_check, 2, src, out, fmt, _args(src, fmt), 4, kept, timeout=300)
     for r in results:
         assert r["masked"] <= 1e-6, r  # observed: 0.0
