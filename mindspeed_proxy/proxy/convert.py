@@ -185,7 +185,7 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
 
 def _tensor_sizes(ckpt, out: str) -> Optional[tuple]:
     """({key: (shape, dtype)} of the source, of the proxy written under `out`) for the per-layer-type summary;
-    None for Hugging Face checkpoints and legacy TP > 1."""
+    None for Hugging Face checkpoints, legacy TP > 1 and uneven legacy pipeline splits."""
     if ckpt.format == "torch_dist":
         from mindspeed_proxy.proxy.io.dist.summary import metadata_tensors
 
@@ -194,7 +194,8 @@ def _tensor_sizes(ckpt, out: str) -> Optional[tuple]:
         from mindspeed_proxy.proxy.io.legacy.summary import legacy_tensors
 
         before = legacy_tensors(ckpt)
-        return None if before is None else (before, legacy_tensors(LegacyCheckpoint(out, ckpt.iteration)))
+        return None if before is None else (before, legacy_tensors(LegacyCheckpoint(out, ckpt.iteration,
+                                                                                     ckpt.trust)))
     return None
 
 

@@ -12,10 +12,10 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def legacy_tensors(ckpt) -> Optional[dict]:
-    """{global key: (shape, dtype)} of `ckpt` (a LegacyCheckpoint), None at TP > 1; expert tensors of EP rank r
-    keep their key with `@ep{r}` appended."""
+    """{global key: (shape, dtype)} of `ckpt` (a LegacyCheckpoint), None at TP > 1 or when a layer's global number
+    is not known (uneven pipeline splits); expert tensors of EP rank r keep their key with `@ep{r}` appended."""
     L = ckpt.layout
-    if L.tp > 1:
+    if L.tp > 1 or any(layer.global_layer is None and layer.mtp is None for layer in ckpt.layers):
         return None
     per = int(ckpt.args.num_layers) // (L.pp * len(ckpt.chunks))
     out = {}
