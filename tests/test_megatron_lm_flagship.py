@@ -9,23 +9,21 @@ Tiny sizes, 8 experts at EP=2 on 2 gloo ranks, no dropout, 3 steps, each shape s
 Each source converts with the README's plain command (K=4 at EP=1, `--features weights` and `outputs`), loads back
 in `pretrain_gpt.py` with exactly the printed flags and trains 2 steps; K = E (= 8) at EP=1 gives a checkpoint whose
 every model tensor equals the source's (experts renumbered to global ids for legacy files). With MTP (issue 34
-item 2), `--features outputs` is refused in one line (the converter's builder does not build the MTP module; features
-collected during training are the way there). Needs MEGATRON_LM_PATH; skips otherwise.
+item 2), `--features outputs` builds the MTP block too and selects the MTP layer's experts from its own calibration
+outputs and usage. Needs MEGATRON_LM_PATH; skips otherwise.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from test_megatron_lm import MLM, _losses, env, mlm  # noqa: F401  (fixtures)
-from test_megatron_lm_convert import REPO, _ok, calibration_tokens, convert, pretrain
+from test_megatron_lm_convert import _ok, calibration_tokens, convert, pretrain
 from test_megatron_lm_mla import GQA, MLA_BASE
 
 pytestmark = pytest.mark.skipif(
@@ -53,8 +51,6 @@ SHAPES = {
     "mixtral": GQA + ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
 }
 SOURCES = [(shape, fmt) for shape in SHAPES for fmt in ("torch_dist", "torch")]
-# the converter's builder does not build MTP (docs/proxy.md, MTP): --features outputs is refused in one line there
-MTP_OUTPUTS_REFUSAL = "uses multi-token prediction (mtp_num_layers=1), which the converter's builder does not build"
 
 
 def flags(shape: str, fmt: str) -> list:
@@ -105,17 +101,14 @@ def test_flagship_proxy_loads_back_and_trains(mlm, env, sources, shape, fmt, fea
     out = cwd / f"proxy-k4-{features}"
     extra = [] if features == "weights" else [
         "--features", "outputs", "--calibration-data", calibration_tokens(cwd / "calib.npy")]
-    if features == "outputs" and "--mtp-num-layers" in SHAPES[shape]:
-        res = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", str(src), "--save",
-                              str(out), "--target-expert-parallel-size", "1", "--target-num-experts", "4", *extra],
-                             env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
-        assert res.returncode == 2 and MTP_OUTPUTS_REFUSAL in res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
-        assert len(res.stderr.strip().splitlines()) == 1 and not out.exists(), res.stderr
-        return
     printed, world, _ = convert(env, cwd, src, out, 1, 4, *extra)
     assert printed[printed.index("--num-experts") + 1] == "4" and world == 1, printed
     manifest = json.loads((out / "proxy_manifest.json").read_text())
     assert all(len(layer["kept_global_ids_in_new_order"]) == 4 for layer in manifest["layers"])
+    mtp = [layer for layer in manifest["layers"] if layer["layer"] == "mtp.0"]
+    assert len(mtp) == ("--mtp-num-layers" in SHAPES[shape])
+    if features == "outputs":  # every MoE layer, MTP included, chosen from its own calibration forward
+        assert all(sum(layer["calibration_usage"]) > 0 for layer in manifest["layers"])
     res = pretrain(mlm, env, cwd, world, flags(shape, fmt) + ["--train-iters", "2",
                                                               "--mechanism-monitor-output", str(out / "mon")] + printed)
     losses = _losses(_ok(res))

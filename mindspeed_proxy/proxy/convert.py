@@ -14,6 +14,7 @@ from mindspeed_proxy.proxy.core import process_state
 from mindspeed_proxy.proxy.io import hashing, output_guard, pages
 from mindspeed_proxy.proxy.io.legacy.reader import LegacyCheckpoint
 from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
+from mindspeed_proxy.proxy.io.layer_summary import describe_layer_types, layer_type_summary
 from mindspeed_proxy.proxy.io.manifest import build_manifest, write_manifest
 from mindspeed_proxy.proxy.plan import describe, launch_flags, make_plan
 from mindspeed_proxy.proxy.verify.legacy import verify_legacy
@@ -152,7 +153,11 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     tmp = tempfile.mkdtemp(prefix=f".{base}.proxy-tmp-", dir=parent)
     try:
         verification = WRITE_AND_VERIFY[ckpt.format](ckpt, plan, tmp, hasher, workers)
-        write_manifest(tmp, build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format))
+        manifest = build_manifest(ckpt, plan, hasher.result(), verification, ckpt.format)
+        sizes = _tensor_sizes(ckpt, tmp)
+        if sizes is not None:
+            manifest["layer_types"] = layer_type_summary(*sizes, plan)
+        write_manifest(tmp, manifest)
         if os.path.exists(save):
             shutil.rmtree(save)
         os.rename(tmp, save)
@@ -166,6 +171,8 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
             raise ConversionError(f"a worker process died while writing the proxy ({exc}); nothing written") from None
         raise
     echo(f"verified: {verification}")
+    if "layer_types" in manifest:
+        echo(describe_layer_types(manifest["layer_types"]))
     echo(f"proxy written to {save}")
     if ckpt.format == "hf":
         echo(f"load with: AutoModelForCausalLM.from_pretrained({save!r}) ({plan.target.num_experts} experts)")
@@ -174,6 +181,22 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
          f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")
     return plan
+
+
+def _tensor_sizes(ckpt, out: str) -> Optional[tuple]:
+    """({key: (shape, dtype)} of the source, of the proxy written under `out`) for the per-layer-type summary;
+    None for Hugging Face checkpoints, legacy TP > 1 and uneven legacy pipeline splits."""
+    if ckpt.format == "torch_dist":
+        from mindspeed_proxy.proxy.io.dist.summary import metadata_tensors
+
+        return ckpt.index.tensors, metadata_tensors(os.path.join(out, os.path.relpath(ckpt.folder, ckpt.root)))
+    if ckpt.format == "torch":
+        from mindspeed_proxy.proxy.io.legacy.summary import legacy_tensors
+
+        before = legacy_tensors(ckpt)
+        return None if before is None else (before, legacy_tensors(LegacyCheckpoint(out, ckpt.iteration,
+                                                                                     ckpt.trust)))
+    return None
 
 
 class WriteAndVerify(Protocol):

@@ -5,6 +5,7 @@ import os
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from mindspeed_proxy.proxy.calibrate.forward import model_config_from_args, output_features
 from mindspeed_proxy.proxy.calibrate.tokens import read_calibration
@@ -38,7 +39,7 @@ def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Calla
         _check_non_finite(plan, options, before_forward=True)
     plan.inputs = _gather_inputs(ckpt, options, plan)
     if not usage and plan.inputs.get("calibration_usage"):
-        usage = {layer: plan.inputs["calibration_usage"][layer.global_layer] for layer in ckpt.layers}
+        usage = {layer: plan.inputs["calibration_usage"][layer.id] for layer in ckpt.layers}
     plan.inputs["usage_source"] = "usage-file" if options.usage_file else "calibration" if usage else None
     if (options.selection == "usage" or options.representative in ("usage", "merge") or options.usage_weighted) \
             and not usage:
@@ -60,8 +61,10 @@ def make_plan(ckpt: SourceCheckpoint, options: Options, progress: Optional[Calla
             ckpt.release()
             continue  # every layer is scanned, so that the refusal names all of them
         bad = set(plan.non_finite.get(layer, {})) if options.non_finite_experts == "exclude" else set()
+        norms = router_norms(ckpt, layer) if options.selection == "cluster" and options.representative == "medoid" \
+            else None
         result = _select(options, plan, layer, index, sim, options.target_k, rules["num_groups"], usage.get(layer),
-                         saliency.get(layer.global_layer), bad)
+                         saliency.get(layer.id), bad, norms)
         plan.kept[layer] = result["kept"]
         plan.details[layer] = result
         ckpt.release()
@@ -97,26 +100,31 @@ def _check_non_finite(plan: Plan, options: Options, before_forward: bool = False
         raise ConversionError("--representative merge averages experts: not with non-finite experts in the source")
 
 
+def router_norms(ckpt: SourceCheckpoint, layer) -> np.ndarray:
+    """[E] L2 norms of `layer`'s router rows (float64): the data-free tie-break between equal medoids."""
+    return ckpt.router(layer)["weight"].to(torch.float64).norm(dim=1).numpy()
+
+
 def _select(options: Options, plan: Plan, layer, index: int, sim, k: int, groups, usage, saliency,
-            bad: set) -> dict:
+            bad: set, norms=None) -> dict:
     """One layer's selection (kept ids, labels, ...) of `k` experts; experts in `bad` are never selected
-    (`usage` / `saliency`: this layer's per-expert lists or None)."""
+    (`usage` / `saliency` / `norms`: this layer's per-expert lists or None)."""
     if bad:
         def run(idx, per):
             pick = lambda v: None if v is None else [v[i] for i in idx]  # noqa: E731
             return _select(options, plan, layer, index, sim[np.ix_(idx, idx)], per, None, pick(usage),
-                           pick(saliency), set())
+                           pick(saliency), set(), pick(norms))
         return clustering.without(sim, k, bad, groups, run)
     if options.selection == "random":
         return clustering.random_selection(sim, k, (options.seed, index), groups)
     if options.selection == "reconstruction":
-        result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.global_layer])
+        result = reconstruction.selection_result(sim, plan.inputs["chosen"][layer.id])
         result["reconstruction"]["inputs"] = options.reconstruction_inputs
         return result
     if options.selection == "usage":
         return clustering.usage_selection(sim, k, usage, groups)
     result = clustering.cluster_layer(sim, k, options.cluster, options.seed, groups, options.representative, usage,
-                                      saliency, options.usage_weighted)
+                                      saliency, options.usage_weighted, norms)
     if options.representative == "merge":
         result["merge"] = clustering.merge_weights(result["labels"], result["kept"], usage)
     return result

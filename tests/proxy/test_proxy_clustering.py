@@ -45,6 +45,26 @@ def test_medoid_and_usage_representatives():
     assert clustering.representatives(labels, dist, "usage", usage=np.array([5, 1, 9, 0])) == [2, 3]
 
 
+def test_medoid_ties_go_to_usage_then_router_norm_not_index():
+    """DeepSeek-V3's tiny shape: 4 routing groups of 2 experts and K = 4, so each group is one two-member cluster
+    whose medoid is always a tie; the higher id wins wherever its usage (or, without usage, router row) is larger."""
+    sim = similarity.similarity_from_vectors(np.random.default_rng(3).standard_normal((8, 16)))
+    norms = np.array([1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 0.5, 0.7])  # equal in group 2: lower id
+    usage = np.array([5, 4, 0, 9, 3, 3, 1, 1])  # equal in groups 2 and 3: the router norm decides
+    assert clustering.cluster_layer(sim, 4, num_groups=4)["kept"] == [0, 2, 4, 6]  # nothing to break ties
+    assert clustering.cluster_layer(sim, 4, num_groups=4, router_norms=norms)["kept"] == [1, 2, 4, 7]
+    assert clustering.cluster_layer(sim, 4, num_groups=4, usage=usage)["kept"] == [0, 3, 4, 6]
+    assert clustering.cluster_layer(sim, 4, num_groups=4, usage=usage, router_norms=norms)["kept"] == [0, 3, 4, 7]
+
+
+def test_tie_breaks_never_override_a_strict_medoid():
+    sim = similarity.similarity_from_vectors(np.array([[1.0, 0.0], [0.9, 0.1], [0.8, 0.3], [0.0, 1.0]]))
+    dist = clustering.angular_distance(sim)
+    labels = np.array([0, 0, 0, 1])
+    loud = np.array([9.0, 0.0, 9.0, 1.0])  # the outer members' usage and router norms lose to the strict medoid
+    assert clustering.representatives(labels, dist, "medoid", usage=loud, router_norms=loud) == [1, 3]
+
+
 def test_group_limited_routing_keeps_k_over_groups_per_group():
     vectors, _ = _planted(n_experts=8, k=4)
     result = clustering.cluster_layer(similarity.similarity_from_vectors(vectors), 4, num_groups=2)

@@ -3,10 +3,13 @@ the real trainer: the MTP layer's MoE is pruned with its own selection in both f
 last stage), recorded as `mtp.0`, verified, and the proxy loads into megatron-core and matches the original with
 the dropped experts' routes masked, in the decoder and the MTP layer alike."""
 import json
+import math
 import os
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
@@ -94,8 +97,51 @@ def masked_check(src, out, fmt, args, k, kept):
             "mtp_unmasked": (got[1] - plain[1]).abs().max().item(), "checked": checked}
 
 
+def _sizes(folder):
+    """{key: (params, bytes)} of every model tensor of a torch_dist iteration folder (optimizer state excluded)."""
+    meta = FileSystemReader(folder).read_metadata().state_dict_metadata
+    out = {}
+    for key, m in meta.items():
+        if isinstance(m, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state")):
+            n = math.prod(m.size)
+            out[key] = (n, n * m.properties.dtype.itemsize)
+    return out
+
+
+def check_layer_type_summary(dist_src, out, fmt, manifest, kept, printed):
+    """The converter's per-layer-type summary against the checkpoints' own metadata (the torch_dist form of the same
+    model for a legacy source): totals, halved routed experts and router rows (E = 8 -> K = 4) in the MoE and MTP
+    layers, the rest unchanged."""
+    summary = manifest["layer_types"]
+    before = _sizes(os.path.join(dist_src, "iter_0000002"))
+    total = summary["total"]
+    assert [total["params"][0], total["bytes"][0]] == [sum(v[0] for v in before.values()),
+                                                       sum(v[1] for v in before.values())]
+    assert summary["layers"] == {"dense": [], "moe": [0, 1], "mtp": ["mtp.0"], "other": []}
+    parts = {(r["type"], r["part"]): r for r in summary["parts"]}
+    halved = 0
+    for kind in ("moe", "mtp"):
+        for part in ("routed experts", "router weight", "router expert_bias"):
+            assert parts[kind, part]["params"][1] * 2 == parts[kind, part]["params"][0] > 0, (kind, part)
+            halved += parts[kind, part]["params"][1]
+        for part in ("shared expert", "attention, norms"):
+            assert parts[kind, part]["params"][0] == parts[kind, part]["params"][1] > 0, (kind, part)
+    assert total["params"][1] == total["params"][0] - halved
+    if fmt == "torch_dist":
+        after = _sizes(os.path.join(out, "iter_0000002"))
+        assert [total["params"][1], total["bytes"][1]] == [sum(v[0] for v in after.values()),
+                                                           sum(v[1] for v in after.values())]
+    router = MTP_PREFIX + "router.weight"
+    assert parts["mtp", "router weight"]["params"][0] == before[router][0]
+    assert parts["mtp", "MTP eh_proj, enorm, hnorm, final norm"]["params"][0] > 0
+    assert parts["other", "embedding, output layer, final norm"]["params"][0] > 0
+    for entry in summary["experts"]:
+        assert entry["kept"] == kept[entry["layer"]] and sorted(entry["kept"] + entry["dropped"]) == list(range(8))
+    assert "per layer type (params, bytes: source -> proxy):" in printed and "mtp.0: routed experts kept" in printed
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_path, fmt):
+def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_path, fmt, capsys):
     src = (checkpoints if fmt == "torch" else dist_checkpoints)("mtp")
     out = str(tmp_path / "proxy")
     kept, manifest = _convert(src, out, 1, 4, "--selection", "random", "--seed", "3")
@@ -104,6 +150,7 @@ def test_mtp_proxy_matches_masked_original(checkpoints, dist_checkpoints, tmp_pa
     assert entry["prefix"] == MTP_PREFIX and entry["pipeline_stage"] == 0
     assert kept["mtp.0"] != kept[1] or kept["mtp.0"] != kept[0]  # its own selection (random, per-layer draws)
     assert manifest["verification"]["router_rows"] > 0
+    check_layer_type_summary(dist_checkpoints("mtp"), out, fmt, manifest, kept, capsys.readouterr().out)
     results = run_distributed(masked_check, 2, src, out, fmt, _args(src, fmt), 4, kept, timeout=300)
     for r in results:
         assert r["masked"] <= 1e-6, r  # observed: 0.0
@@ -173,14 +220,51 @@ def test_mtp_pp2_legacy_prunes_last_stage_and_trains(checkpoints, tmp_path):
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), losses
 
 
-def test_mtp_outputs_features_refused_in_one_line(checkpoints, tmp_path, capsys):
+def mtp_reference(src, fmt, args, tokens):
+    """On each rank (EP=2): float64 mean over the calibration tokens of every local expert's output on the MTP
+    layer's MoE input, computed by hand (SwiGLU) from the loaded weights; {global id: [H]} and the input's size."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_proxy.training.arguments import model_config
+
+    model = load_model(src, model_config(args), 1, 2, fmt)[0]
+    seen = []
+    mlp = model.mtp.layers[0].transformer_layer.mlp
+    handle = mlp.register_forward_pre_hook(lambda m, i: seen.append(i[0].reshape(-1, i[0].shape[-1]).double()))
+    with torch.no_grad():
+        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=torch.roll(tokens, -1, 1))
+    handle.remove()
+    x = torch.cat(seen)
+    n_local, out = len(mlp.experts.local_experts), {}
+    for j, expert in enumerate(mlp.experts.local_experts):
+        a, b = (x @ expert.linear_fc1.weight.double().T).chunk(2, dim=-1)
+        y = (F.silu(a) * b) @ expert.linear_fc2.weight.double().T
+        out[ps.get_expert_model_parallel_rank() * n_local + j] = y.mean(dim=0).detach()
+    return out, x.shape[0]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_mtp_outputs_features_include_the_mtp_layer(checkpoints, dist_checkpoints, tmp_path, fmt):
+    """--features outputs builds the MTP block (labels = the next tokens): the MTP layer's features are the mean
+    expert outputs on its own MoE input (float64 reference by hand), its usage counts every routed token, and
+    the MTP layer gets its own selection."""
     import numpy as np
 
-    src = checkpoints("mtp")
-    out, calib = tmp_path / "proxy", tmp_path / "calib.npy"
-    np.save(calib, np.arange(4 * 65).reshape(4, 65) % 256)
-    rc = main(["--load", src, "--save", str(out), "--target-expert-parallel-size", "1", "--target-num-experts", "4",
-               "--features", "outputs", "--calibration-data", str(calib)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and not out.exists()
-    assert len(err) == 1 and "multi-token prediction (mtp_num_layers=1)" in err[0], err
+    src = (checkpoints if fmt == "torch" else dist_checkpoints)("mtp")
+    args = _args(src, fmt)
+    calib, feats = tmp_path / "calib.npy", tmp_path / "features.npz"
+    tokens = np.random.default_rng(0).integers(0, args.padded_vocab_size, (3, args.seq_length))
+    np.save(calib, tokens)
+    kept, manifest = _convert(src, str(tmp_path / "proxy"), 1, 4, "--features", "outputs", "--calibration-data",
+                              str(calib), "--save-features", str(feats))
+    assert list(kept) == [0, 1, "mtp.0"] and manifest["feature_type"] == "outputs"
+    usage = {e["layer"]: e["calibration_usage"] for e in manifest["layers"]}
+    assert sum(usage["mtp.0"]) == tokens.size * args.moe_router_topk and usage["mtp.0"] != usage[1]
+    got = np.load(feats)
+    assert set(got.files) == {"0", "1", "mtp.0"} and got["mtp.0"].shape == (8, args.hidden_size)
+    results = run_distributed(mtp_reference, 2, src, fmt, args, torch.from_numpy(tokens), timeout=300)
+    assert all(n == tokens.size for _, n in results)
+    ref = np.stack([results[g // 4][0][g].numpy() for g in range(8)])
+    assert np.abs(got["mtp.0"] - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got["mtp.0"] - ref).max()
+    assert np.abs(got["mtp.0"] - got["1"]).max() > 1e-3  # not the last decoder layer's features again

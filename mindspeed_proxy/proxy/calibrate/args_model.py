@@ -30,7 +30,6 @@ _EAGER = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_so
               recompute_method=None, recompute_num_layers=None)
 # Megatron-LM features this builder does not build (their weights would not load into the local spec)
 _UNSUPPORTED = (("use_legacy_models", "legacy model"), ("spec", "--spec"),
-                ("mtp_num_layers", "multi-token prediction"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
                 ("yaml_cfg", "--yaml-cfg"), ("experimental_attention_variant", "experimental attention variant"),
                 ("moe_tp_extend_ep", "moe_tp_extend_ep"))
@@ -84,9 +83,12 @@ def transformer_config(args):
 
 
 def build(args):
-    """(model as Megatron-LM wraps it, the GPTModel inside) of `args`, on CPU, all experts, PP = 1."""
+    """(model as Megatron-LM wraps it, the GPTModel inside) of `args`, on CPU, all experts, PP = 1, with the
+    multi-token prediction block when the args have one (built from the decoder's last layer spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mindspeed_proxy.tiny_moe import mtp_block_spec
 
     config = transformer_config(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
@@ -101,7 +103,7 @@ def build(args):
                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                    position_embedding_type=args.position_embedding_type,
                    rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=getattr(args, "rotary_base", 10000),
-                   rope_scaling=getattr(args, "use_rope_scaling", False))
+                   rope_scaling=getattr(args, "use_rope_scaling", False), mtp_block_spec=mtp_block_spec(config, spec))
     if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
 

@@ -157,6 +157,24 @@ def all_expert_outputs(experts, x: torch.Tensor, num_experts: int) -> torch.Tens
     return out.reshape(num_experts, rows, -1).transpose(0, 1).float().cpu()
 
 
+def moe_layers(gpt) -> list:
+    """[(layer id, transformer layer)] of every MoE layer of a PP = 1 GPTModel: decoder layers by global number,
+    then the multi-token prediction layers as `mtp.N` (LayerRef.id)."""
+    layers = [(tl.layer_number - 1, tl) for tl in gpt.decoder.layers]
+    mtp = getattr(gpt, "mtp", None)
+    if mtp is not None:
+        layers += [(f"mtp.{i}", layer.transformer_layer) for i, layer in enumerate(mtp.layers)]
+    return [(g, tl) for g, tl in layers if hasattr(tl.mlp, "router")]
+
+
+def run_model(model, gpt, batch: torch.Tensor, device) -> None:
+    """One forward of `batch` [B, S]; with multi-token prediction, labels = the next tokens (GPTModel computes the
+    MTP losses from them; the MTP layers' inputs do not depend on them)."""
+    positions = torch.arange(batch.shape[1], device=device).expand_as(batch)
+    labels = torch.roll(batch, -1, dims=1) if getattr(gpt, "mtp", None) is not None else None
+    model(batch, positions, None, labels=labels)
+
+
 class _Collector:
     """Forward hooks on every MoE layer of a PP = 1 GPTModel: expert output sums and router counts."""
 
@@ -164,10 +182,7 @@ class _Collector:
         self.sums, self.usage, self.saliency, self.tokens, self.handles = {}, {}, {}, 0, []
         self.sample_tokens, self.sample, self._taken = sample_tokens, {}, {}  # --selection reconstruction
         self._norms = {}  # layer -> [E, tokens] output norms of the current forward, used by the router hook
-        for tl in gpt.decoder.layers:
-            if not hasattr(tl.mlp, "router"):
-                continue
-            g = tl.layer_number - 1
+        for g, tl in moe_layers(gpt):
             self.sums[g] = torch.zeros(num_experts, gpt.config.hidden_size, dtype=torch.float64)
             self.usage[g] = torch.zeros(num_experts, dtype=torch.float64)
             self.saliency[g] = torch.zeros(num_experts, dtype=torch.float64)
@@ -229,7 +244,7 @@ def output_features(ckpt, tokens: torch.Tensor, saliency: Optional[dict] = None,
     from mindspeed_proxy import platform
 
     cfg = model_config_from_args(ckpt.args, ckpt.format)
-    if any(layer.global_layer is None for layer in ckpt.layers):
+    if any(layer.global_layer is None and layer.mtp is None for layer in ckpt.layers):
         raise ConversionError("--features outputs: the checkpoint's layer numbering is not understood")
     with platform.activated(platform.current() or ("cuda" if torch.cuda.is_available() else "cpu")):
         return _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequential)
@@ -259,8 +274,7 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
             with torch.no_grad():
                 for start in range(0, tokens.shape[0], BATCH_SEQUENCES):
                     batch = tokens[start:start + BATCH_SEQUENCES].to(device)
-                    positions = torch.arange(batch.shape[1], device=device).expand_as(batch)
-                    model(batch, positions, None)
+                    run_model(model, gpt, batch, device)
                     collector.tokens += batch.numel()
         finally:
             collector.remove()
@@ -277,7 +291,7 @@ def _output_features(ckpt, cfg, tokens, saliency, sample, sample_tokens, sequent
                        for g, d in collector.sample.items()})
     if saliency is not None:
         saliency.update({g: (collector.saliency[g] / collector.usage[g].clamp(min=1)).tolist() for g in usage})
-    missing = sorted({l.global_layer for l in ckpt.layers} - set(vectors))
+    missing = sorted({l.id for l in ckpt.layers} - set(vectors), key=str)
     if missing:
         raise ConversionError(f"--features outputs: MoE layer {missing[0]} of the checkpoint is not an MoE layer "
                               "of the model built from its args")
@@ -320,13 +334,11 @@ def sequential_pass(model, gpt, tokens: torch.Tensor, choose, device) -> dict:
             routing_map = torch.zeros_like(logits, dtype=torch.bool).index_copy(1, ids, sub_map)
             return probs.reshape(output[0].shape), routing_map.reshape(output[1].shape)
         return hook
-    for tl in gpt.decoder.layers:
-        if hasattr(tl.mlp, "router"):
-            g = tl.layer_number - 1
-            handles += [tl.mlp.register_forward_pre_hook(pre(g)), tl.mlp.router.register_forward_hook(restrict(g))]
+    for g, tl in moe_layers(gpt):
+        handles += [tl.mlp.register_forward_pre_hook(pre(g)), tl.mlp.router.register_forward_hook(restrict(g))]
     try:
         with torch.no_grad():
-            model(batch, torch.arange(batch.shape[1], device=device).expand_as(batch), None)
+            run_model(model, gpt, batch, device)
     finally:
         for handle in handles:
             handle.remove()

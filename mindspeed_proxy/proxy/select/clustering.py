@@ -67,10 +67,15 @@ def kmeans(similarity: np.ndarray, k: int, seed: int, weights: Optional[np.ndarr
     return _canonical(labels)
 
 
+TIE = 1e-12  # medoid scores closer than this are a tie (a two-member cluster's always are: d + 0 = 0 + d)
+
+
 def representatives(labels: np.ndarray, dist: np.ndarray, rule: str, usage: Optional[np.ndarray] = None,
-                    saliency: Optional[np.ndarray] = None) -> list[int]:
+                    saliency: Optional[np.ndarray] = None, router_norms: Optional[np.ndarray] = None) -> list[int]:
     """One member per cluster: the medoid (least total distance), the most-used member (rules usage and
-    merge: merge keeps the most-used member's slot) or the most salient member; ties -> lower id."""
+    merge: merge keeps the most-used member's slot) or the most salient member. Medoid ties (every two-member
+    cluster) go to the most-used member when usage counts are known, then to the larger router row norm
+    (`router_norms`), then to the lower id; other ties -> lower id."""
     reps = []
     for cluster in range(int(labels.max()) + 1):
         members = np.flatnonzero(labels == cluster)
@@ -84,19 +89,32 @@ def representatives(labels: np.ndarray, dist: np.ndarray, rule: str, usage: Opti
             score = -np.asarray(saliency, dtype=np.float64)[members]
         else:
             score = dist[np.ix_(members, members)].sum(axis=1)
+            tied = members[score <= score.min() + TIE]
+            reps.append(_break_tie(tied, usage, router_norms))
+            continue
         reps.append(int(members[np.argmin(score)]))  # argmin returns the first (lowest id) of ties
     return reps
+
+
+def _break_tie(tied: np.ndarray, usage, router_norms) -> int:
+    """The most-used of the tied members, then the one with the larger router row norm, then the lowest id."""
+    keys = [tied]
+    for values in (router_norms, usage):  # np.lexsort sorts by the last key first
+        if values is not None:
+            keys.append(-np.asarray(values, dtype=np.float64)[tied])
+    return int(tied[np.lexsort(keys)[0]])
 
 
 def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative", seed: int = 0,
                   num_groups: Optional[int] = None, representative: str = "medoid",
                   usage: Optional[np.ndarray] = None, saliency: Optional[np.ndarray] = None,
-                  usage_weighted: bool = False) -> dict:
+                  usage_weighted: bool = False, router_norms: Optional[np.ndarray] = None) -> dict:
     """Labels (per expert), kept ids (sorted) and distance summary for one layer.
 
     With group-limited routing (`num_groups`) each contiguous group of E/groups experts is clustered
     into K/groups on its own, so every group keeps the same number of experts. `usage_weighted`:
-    k-means with the experts' usage shares as sample weights (needs `usage`)."""
+    k-means with the experts' usage shares as sample weights (needs `usage`). `router_norms`: the L2 norm of
+    each expert's router row, which breaks medoid ties after usage (`representatives`)."""
     if usage_weighted and usage is None:
         raise ConversionError("--usage-weighted needs expert usage counts (--usage-file FILE or --calibration-data)")
     n = similarity.shape[0]
@@ -115,7 +133,7 @@ def cluster_layer(similarity: np.ndarray, k: int, method: str = "agglomerative",
             sub = kmeans(sub_sim, per, seed + g, weights)
         labels[idx] = sub + offset
         offset += per
-    kept = sorted(representatives(labels, dist, representative, usage, saliency))
+    kept = sorted(representatives(labels, dist, representative, usage, saliency, router_norms))
     return {"labels": labels.tolist(), "kept": kept, "sizes": np.bincount(labels, minlength=k).tolist(),
             "distances": _summary(labels, dist, kept)}
 
