@@ -64,7 +64,7 @@ class RouterStats:
         self.chunk_size = chunk_size
         self.pending_bytes = pending_bytes
         self._buffer = torch.zeros(num_layers, _LOAD + num_experts, dtype=torch.float32, device=device)
-        self._pending: list = []  # (layer, fp32 logits [n, E], expert ids [n·k] / routing map [n, E] / None)
+        self._pending: list = []  # (layer, fp32 logits [n, E], tokens per expert [E] or None: from the top-k)
         self._held = 0
 
     @property
@@ -99,18 +99,17 @@ class RouterStats:
         if logits.shape[-1] != num_experts:
             raise ValueError(f"logits last dim {logits.shape[-1]} != num_experts {num_experts}")
         flat = logits.detach().reshape(-1, num_experts)
-        chosen = None
+        load = None  # tokens per expert [E] when the caller says which experts were chosen (one kernel)
         if topk_indices is not None:
-            chosen = (topk_indices.detach().reshape(-1, num_experts).clone() if topk_indices.dtype == torch.bool
-                      else topk_indices.detach().reshape(-1).long())  # .long() copies an int32/int16 tensor
-            if chosen.data_ptr() == topk_indices.data_ptr():
-                chosen = chosen.clone()
+            load = (torch.sum(topk_indices.detach().reshape(-1, num_experts), dim=0, dtype=torch.float32)
+                    if topk_indices.dtype == torch.bool
+                    else torch.bincount(topk_indices.detach().reshape(-1), minlength=num_experts).float())
         nbytes = flat.shape[0] * num_experts * 4
         if nbytes >= self.pending_bytes:  # a large call: folded in at once, without a copy of its logits
             self.flush()
-            self._fold([(layer_index, flat, chosen)])
+            self._fold([(layer_index, flat, load)])
             return
-        self._pending.append((layer_index, flat.to(torch.float32, copy=True), chosen))
+        self._pending.append((layer_index, flat.to(torch.float32, copy=True), load))
         self._held += nbytes
         if self._held >= self.pending_bytes:
             self.flush()
@@ -123,58 +122,37 @@ class RouterStats:
             self._fold(pending)
 
     def _fold(self, calls: list) -> None:
-        num_layers, num_experts, k = self.num_layers, self.num_experts, self.topk
+        by_layer: dict = {}
+        for layer, logits, load in calls:
+            by_layer.setdefault(layer, []).append((logits, load))
+        for layer, items in by_layer.items():  # layer by layer: plain sums, deterministic on every device
+            row = self._buffer[layer]
+            given = [load for _, load in items if load is not None]
+            if given:
+                row[_LOAD:] += torch.stack(given).sum(dim=0) if len(given) > 1 else given[0]
+            for derive in (False, True):
+                part = [logits for logits, load in items if (load is None) == derive]
+                if part:
+                    self._fold_rows(row, torch.cat(part) if len(part) > 1 else part[0], derive)
+
+    def _fold_rows(self, row: torch.Tensor, logits: torch.Tensor, derive_load: bool) -> None:
+        num_experts, k = self.num_experts, self.topk
         width = min(k + 1, num_experts)
-        device = self._buffer.device
-
-        def small(values, dtype=torch.long):  # host lists to the device without waiting on its stream
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        counts = [c[1].shape[0] for c in calls]
-        logits = torch.cat([c[1] for c in calls]) if len(calls) > 1 else calls[0][1]
-        rows = logits.shape[0]
-        row_layer = torch.repeat_interleave(small([c[0] for c in calls]), small(counts), output_size=rows)
-        entropy = torch.empty(rows, dtype=torch.float64, device=device)
-        margin = torch.zeros(rows, dtype=torch.float64, device=device)
-        derive = [c[2] is None for c in calls]
-        keys = []
-        for start in range(0, rows, self.chunk_size):
+        row[_TOKENS] += logits.shape[0]
+        for start in range(0, logits.shape[0], self.chunk_size):
             chunk = logits[start:start + self.chunk_size].float()
-            n = chunk.shape[0]
-            # the experts along dim 0: a softmax over a short last dim runs a slow per-token loop;
+            # the experts along dim 0: a softmax or top-k over a short last dim runs a slow per-token loop;
             # entr() gives 0·log 0 = 0 for −inf logits and keeps NaN
-            torch.sum(torch.special.entr(torch.softmax(chunk.T.contiguous(), dim=0)), dim=0, out=entropy[start:start + n])
-            top = torch.topk(chunk, width, dim=-1, sorted=True)
-            if width > k:
-                torch.sub(top.values[:, k - 1], top.values[:, k], out=margin[start:start + n])
-            if any(derive):
-                keys.append(row_layer[start:start + n, None] * num_experts + top.indices[:, :k])
-        owner = torch.zeros(num_layers, len(calls), dtype=torch.float64, device=device)
-        owner[small([c[0] for c in calls]), torch.arange(len(calls), device=device)] = 1.0
-        ends = small(counts).cumsum(0) - 1
-
-        def per_call(values):  # [rows, m] -> [calls, m] sums of each call's rows, from float64 running sums
-            sums = values.cumsum(0, dtype=torch.float64)[ends]
-            sums[1:] -= sums[:-1].clone()
-            return sums
-
-        token_sums = torch.cat([small(counts, torch.float64)[:, None], per_call(torch.stack([entropy, margin], 1))], 1)
-        self._buffer[:, :_LOAD] += (owner @ token_sums).float()
-        load = torch.zeros(num_layers * num_experts, dtype=torch.float32, device=device)
-        if keys:
-            weight = torch.repeat_interleave(small(derive, torch.float32), small(counts), output_size=rows)
-            load += torch.bincount(torch.cat(keys).reshape(-1), weights=weight[:, None].expand(rows, k).reshape(-1),
-                                   minlength=num_layers * num_experts).float()
-        ids = [(c[0], c[2]) for c in calls if c[2] is not None and c[2].dtype != torch.bool]
-        if ids:
-            load += torch.bincount(torch.cat([layer * num_experts + chosen for layer, chosen in ids]),
-                                   minlength=num_layers * num_experts).float()
-        maps = [c[2] if c[2] is not None and c[2].dtype == torch.bool else None for c in calls]
-        if any(m is not None for m in maps):
-            filled = torch.cat([m if m is not None else torch.zeros(n, num_experts, dtype=torch.bool, device=device)
-                                for m, n in zip(maps, counts)])
-            load += (owner @ per_call(filled)).float().view(-1)
-        self._buffer[:, _LOAD:] += load.view(num_layers, num_experts)
+            by_expert = chunk.T.contiguous()
+            row[_ENTROPY] += torch.special.entr(torch.softmax(by_expert, dim=0)).sum()
+            if derive_load:
+                top = torch.topk(chunk, width, dim=-1, sorted=True)
+                row[_LOAD:] += torch.bincount(top.indices[:, :k].reshape(-1), minlength=num_experts).float()
+                if width > k:
+                    row[_MARGIN] += (top.values[:, k - 1] - top.values[:, k]).sum()
+            elif width > k:
+                kth, next_ = _kth_and_next(by_expert, k, chunk)
+                row[_MARGIN] += (kth - next_).sum()
 
     def reduce(self, groups: Iterable) -> None:
         """All-reduce (SUM) the accumulators over each process group in order; None entries are skipped."""
@@ -232,6 +210,19 @@ class RouterStats:
     def winner_persistence(self, prev_load: torch.Tensor, top: Optional[int] = None) -> torch.Tensor:
         """Overlap fraction of the top-n loaded experts between `prev_load` [L, E] and the current load (n = topk)."""
         return winner_persistence(prev_load, self.load(), top=top or self.topk)
+
+
+def _kth_and_next(by_expert: torch.Tensor, k: int, tokens_first: torch.Tensor):
+    """The k-th and (k+1)-th largest logit of each token, from logits [E, tokens]: for a few experts a running
+    sorted top-(k+1) over the E rows (elementwise ops over all tokens at once), else torch.topk."""
+    if by_expert.shape[0] > 16:
+        values = torch.topk(tokens_first, k + 1, dim=-1, sorted=True).values
+        return values[:, k - 1], values[:, k]
+    best = [torch.full_like(by_expert[0], -math.inf) for _ in range(k + 1)]
+    for values in by_expert:
+        for j in range(k + 1):  # insert `values` into best[0] >= best[1] >= ... (NaN propagates like topk's)
+            best[j], values = torch.maximum(best[j], values), torch.minimum(best[j], values)
+    return best[k - 1], best[k]
 
 
 def _max_over_mean(load: torch.Tensor) -> torch.Tensor:

@@ -129,12 +129,13 @@ def test_router_stats_explicit_indices_and_routing_map():
         by_map.update(0, logits[:, :4])
 
 
+@pytest.mark.parametrize("num_experts", [8, 32])  # the margin from a running top-(k+1) (E <= 16) or torch.topk
 @pytest.mark.parametrize("pending_bytes", [1, 3000, 1 << 30])
-def test_router_stats_batched_calls_equal_per_layer_float64_sums(pending_bytes):
+def test_router_stats_batched_calls_equal_per_layer_float64_sums(pending_bytes, num_experts):
     """Calls held and folded in together (layers interleaved; derived top-k, explicit ids and routing maps
     mixed; a call larger than the limit folded at once) give each layer the float64 sums of its own calls."""
     gen = torch.Generator().manual_seed(5)
-    num_layers, num_experts, k = 3, 8, 2
+    num_layers, k = 3, 2
     stats = RouterStats(num_layers, num_experts, k, chunk_size=16, pending_bytes=pending_bytes)
     want = {layer: {"tokens": 0, "entropy": 0.0, "margin": 0.0, "load": np.zeros(num_experts)}
             for layer in range(num_layers)}
@@ -165,6 +166,18 @@ def test_router_stats_batched_calls_equal_per_layer_float64_sums(pending_bytes):
     stats.update(0, torch.randn(5, num_experts, generator=gen))
     stats.reset()  # a held call is dropped with the sums
     assert stats.as_tensor().abs().sum().item() == 0.0
+
+
+def test_router_stats_margin_with_tied_logits_and_a_given_routing_map():
+    """Ties among the top-(k+1) logits (a margin of 0 for many tokens): the margin equals the sorted reference."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randint(-2, 3, (300, 6), generator=gen).float()
+    routing_map = torch.zeros(300, 6, dtype=torch.bool).scatter(1, torch.topk(logits, 3).indices, True)
+    stats = RouterStats(1, 6, 3)
+    stats.update(0, logits, routing_map)
+    _, _, margin = reference_routing(logits.double().numpy(), 3)
+    assert (margin == 0).sum() > 50
+    assert stats.summary()["margin"][0].item() == pytest.approx(margin.mean(), rel=1e-6)
 
 
 def test_router_stats_summary_load_metrics():
