@@ -62,7 +62,7 @@ def test_summary_of_a_faulted_run(tmp_path):
     text = table([(noise, s, {"ranks": 2, "wall_s": 123.4})], ONSET)
     row = text.splitlines()[2]
     assert row.startswith("| noise-original | original (2) | rollout-router-noise:start=5,std=0.5 | off | "
-                          "6: rl/any_layer_mismatch (routing-mismatch) | 1 | 0.0000 / 0.3500 (0.6000) | "
+                          "6: rl/any_layer_mismatch (routing-mismatch) | 6 (rl/any_layer_mismatch) | 1 | 0.0000 / 0.3500 (0.6000) | "
                           "0.800 / 0.320 | yes, at 10 | routing-mismatch alert | MISS: 1 alert(s) before the onset")
     assert row.endswith("| 123 |")
 

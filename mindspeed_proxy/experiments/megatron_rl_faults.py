@@ -118,6 +118,10 @@ def _alert_cell(alert: Optional[dict]) -> str:
     return f"{alert['step']}: {alert['family']}/{alert['metric']}{where} ({alert['mechanism'].split(':')[0]})"
 
 
+def _step(alert: Optional[dict]) -> str:
+    return "none" if alert is None else f"{alert['step']} ({alert['family']}/{alert['metric']})"
+
+
 def _num(value: Optional[float], digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -125,14 +129,14 @@ def _num(value: Optional[float], digits: int = 3) -> str:
 def table(rows: list[tuple[FaultRun, dict, dict]], onset: Optional[int]) -> str:
     """The markdown table: one line per (run, summary, extra) with extra's `ranks` and `wall_s`."""
     lines = [f"| run | model (ranks) | fault (onset {onset}) | R3 | first alert from the onset: step: family/metric "
-             "(mechanism) | alerts before onset | any-layer mismatch before / from onset (max) | reward before "
+             "(mechanism) | first routing-mismatch alert | alerts before onset | any-layer mismatch before / from onset (max) | reward before "
              "onset / last 5 | reward collapses | expected | verdict | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run, s, extra in rows:
         collapse = "no" if s["collapse"] is None else f"yes, at {s['collapse']}"
         lines.append(
             f"| {run.name} | {run.model} ({extra['ranks']}) | {run.fault or 'none'} | {'r3' if run.r3 else 'off'} | "
-            f"{_alert_cell(s['first'])} | {s['early_alerts']} | {_num(s['mismatch_before'], 4)} / "
+            f"{_alert_cell(s['first'])} | {_step(s['first_routing'])} | {s['early_alerts']} | {_num(s['mismatch_before'], 4)} / "
             f"{_num(s['mismatch_after'], 4)} ({_num(s['mismatch_after_max'], 4)}) | {_num(s['reward_before'])} / "
             f"{_num(s['reward_end'])} | {collapse} | {run.expectation()} | {verdict(run, s)} | "
             f"{extra['wall_s']:.0f} |")
