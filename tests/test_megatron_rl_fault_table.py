@@ -88,5 +88,7 @@ def test_verdicts_met_and_missed(tmp_path):
     assert verdict(noise_r3, quiet) == "met" and verdict(noise_r3, routed).startswith("MISS: expert mismatch 0.3")
     assert verdict(lr, spectral) == "met" and verdict(lr, quiet) == "MISS: no alert from the onset"
     assert quiet["collapse"] is None
+    failed = {**routed, "error": "[rank1]: RuntimeError: boom"}
+    assert verdict(noise, failed) == "MISS: the run failed after 8 iterations: [rank1]: RuntimeError: boom"
     assert [healthy.expectation(), noise.expectation(), noise_r3.expectation(), lr.expectation()] == [
         "no alert", "routing-mismatch alert", "no mismatch (R3)", "an alert"]

@@ -65,7 +65,7 @@ def _mean(values: list[float]) -> Optional[float]:
 def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int]) -> dict:
     """One run's numbers: alerts (first, first routing-mismatch, before onset), the rl family's any-layer
     mismatch before / from the onset (mean and max), the reward before / at the end and its collapse step."""
-    records = read_jsonl(monitor_jsonl)
+    records = read_jsonl(monitor_jsonl) if Path(monitor_jsonl).is_file() else []  # a run that failed early
     alerts = sorted((r for r in records if r.get("type") == "alert"), key=lambda a: a["step"])
     mismatch = {r["step"]: float(r["layers"]["all"]["any_layer_mismatch"]) for r in records
                 if r.get("type") == "sample" and r.get("family") == "rl"}
@@ -88,8 +88,11 @@ def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int]) ->
 
 
 def verdict(run: FaultRun, summary: dict) -> str:
-    """"met", or "MISS: why" against the run's expectation (an alert before the onset is a miss too)."""
+    """"met", or "MISS: why" against the run's expectation (an alert before the onset, or a run that failed
+    (summary["error"]: its first exception line), is a miss too)."""
     problems = []
+    if summary.get("error"):
+        problems.append(f"the run failed after {summary['iterations']} iterations: {summary['error']}")
     if run.fault is None:
         if summary["alerts"]:
             problems.append(f"{summary['alerts']} alert(s) on the healthy run")
