@@ -62,7 +62,7 @@ def test_summary_of_a_faulted_run(tmp_path):
     text = table([(noise, s, {"ranks": 2, "wall_s": 123.4})], ONSET)
     row = text.splitlines()[2]
     assert row.startswith("| noise-original | original (2) | rollout-router-noise:start=5,std=0.5 | off | "
-                          "6: rl/any_layer_mismatch (routing-mismatch) | 6 (rl/any_layer_mismatch) | 1 | 0.0000 / 0.3500 (0.6000) | "
+                          "6: rl/any_layer_mismatch (routing-mismatch) | 0 | 6 (rl/any_layer_mismatch) | 1 | 0.0000 / 0.3500 (0.6000) | "
                           "0.800 / 0.320 | yes, at 10 | routing-mismatch alert | MISS: 1 alert(s) before the onset")
     assert row.endswith("| 123 |")
 
@@ -87,6 +87,13 @@ def test_verdicts_met_and_missed(tmp_path):
     assert verdict(noise, quiet) == "MISS: no routing-mismatch alert; no expert mismatch from the onset"
     assert verdict(noise_r3, quiet) == "met" and verdict(noise_r3, routed).startswith("MISS: expert mismatch 0.3")
     assert verdict(lr, spectral) == "met" and verdict(lr, quiet) == "MISS: no alert from the onset"
+    # the same alert on the healthy run (family, metric, layer; any step) is not the fault's
+    _monitor(tmp_path / "m.jsonl", {s: 0.0 for s in range(1, 9)},
+             [(7, "update-spectral", "entropy", 1, "update: x")])
+    like = summarize(tmp_path / "m.jsonl", {s: 0.5 for s in range(1, 9)}, ONSET,
+                     healthy=[{"step": 3, "family": "update-spectral", "metric": "entropy", "layer": 1}])
+    assert like["first"] is None and like["healthy_like"] == 1 and like["early_alerts"] == 0
+    assert verdict(lr, like) == "MISS: no alert from the onset (only 1 like the healthy run's)"
     assert quiet["collapse"] is None
     failed = {**routed, "error": "[rank1]: RuntimeError: boom"}
     assert verdict(noise, failed) == "MISS: the run failed after 8 iterations: [rank1]: RuntimeError: boom"

@@ -62,9 +62,16 @@ def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int]) -> dict:
+def alert_key(alert: dict) -> tuple:
+    """What an alert is about: (family, metric, layer)."""
+    return alert["family"], alert["metric"], alert.get("layer")
+
+
+def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int], healthy: Optional[list] = None) -> dict:
     """One run's numbers: alerts (first, first routing-mismatch, before onset), the rl family's any-layer
-    mismatch before / from the onset (mean and max), the reward before / at the end and its collapse step."""
+    mismatch before / from the onset (mean and max), the reward before / at the end and its collapse step.
+    `healthy`: the healthy run's alerts; from the onset, an alert about what one of them was about (same family,
+    metric and layer) is not counted as the fault's (it is counted in `healthy_like`)."""
     records = read_jsonl(monitor_jsonl) if Path(monitor_jsonl).is_file() else []  # a run that failed early
     alerts = sorted((r for r in records if r.get("type") == "alert"), key=lambda a: a["step"])
     mismatch = {r["step"]: float(r["layers"]["all"]["any_layer_mismatch"]) for r in records
@@ -76,9 +83,12 @@ def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int]) ->
     pre = [rewards[s] for s in steps if onset is None or s < onset]
     tail = [rewards[s] for s in steps[-COLLAPSE["window"]:]]
     late = [a for a in alerts if onset is None or a["step"] >= onset]
+    seen = {alert_key(a) for a in healthy or []}
+    healthy_like = [a for a in late if alert_key(a) in seen]
+    late = [a for a in late if alert_key(a) not in seen]
     routing = [a for a in late if a["mechanism"].startswith(ROUTING)]
-    return {"iterations": len(steps), "alerts": len(alerts),
-            "early_alerts": len(alerts) - len(late) if onset is not None else len(alerts),
+    return {"iterations": len(steps), "alerts": len(alerts), "healthy_like": len(healthy_like),
+            "early_alerts": len(alerts) - len(late) - len(healthy_like) if onset is not None else len(alerts),
             "first": late[0] if late else None, "first_routing": routing[0] if routing else None,
             "routing_alerts": len(routing),
             "mismatch_before": _mean(before), "mismatch_after": _mean(after),
@@ -110,7 +120,8 @@ def verdict(run: FaultRun, summary: dict) -> str:
             if summary["routing_alerts"]:
                 problems.append("routing-mismatch alert under R3")
         elif summary["first"] is None:
-            problems.append("no alert from the onset")
+            problems.append("no alert from the onset" + (f" (only {summary['healthy_like']} like the healthy run's)"
+                                                          if summary.get("healthy_like") else ""))
     return "met" if not problems else "MISS: " + "; ".join(problems)
 
 
@@ -131,16 +142,17 @@ def _num(value: Optional[float], digits: int = 3) -> str:
 
 def table(rows: list[tuple[FaultRun, dict, dict]], onset: Optional[int]) -> str:
     """The markdown table: one line per (run, summary, extra) with extra's `ranks` and `wall_s`."""
-    lines = [f"| run | model (ranks) | fault (onset {onset}) | R3 | first alert from the onset: step: family/metric "
-             "(mechanism) | first routing-mismatch alert | alerts before onset | any-layer mismatch before / from onset (max) | reward before "
-             "onset / last 5 | reward collapses | expected | verdict | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| run | model (ranks) | fault (onset {onset}) | R3 | first alert from the onset, unlike the healthy "
+             "run's: step: family/metric (mechanism) | alerts like the healthy run's | first routing-mismatch alert "
+             "| alerts before onset | any-layer mismatch before / from onset (max) | reward before onset / last 5 "
+             "| reward collapses | expected | verdict | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run, s, extra in rows:
         collapse = "no" if s["collapse"] is None else f"yes, at {s['collapse']}"
         lines.append(
             f"| {run.name} | {run.model} ({extra['ranks']}) | {run.fault or 'none'} | {'r3' if run.r3 else 'off'} | "
-            f"{_alert_cell(s['first'])} | {_step(s['first_routing'])} | {s['early_alerts']} | {_num(s['mismatch_before'], 4)} / "
-            f"{_num(s['mismatch_after'], 4)} ({_num(s['mismatch_after_max'], 4)}) | {_num(s['reward_before'])} / "
-            f"{_num(s['reward_end'])} | {collapse} | {run.expectation()} | {verdict(run, s)} | "
-            f"{extra['wall_s']:.0f} |")
+            f"{_alert_cell(s['first'])} | {s.get('healthy_like', 0)} | {_step(s['first_routing'])} | "
+            f"{s['early_alerts']} | {_num(s['mismatch_before'], 4)} / {_num(s['mismatch_after'], 4)} "
+            f"({_num(s['mismatch_after_max'], 4)}) | {_num(s['reward_before'])} / {_num(s['reward_end'])} | "
+            f"{collapse} | {run.expectation()} | {verdict(run, s)} | {extra['wall_s']:.0f} |")
     return "\n".join(lines)
