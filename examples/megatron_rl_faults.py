@@ -185,12 +185,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work-dir", required=True)
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH"), help="the checkout (core_v0.16)")
-    p.add_argument("--runs", default=",".join(RUN_NAMES), help=f"comma-separated subset of {', '.join(RUN_NAMES)}")
-    p.add_argument("--sft-iters", type=int, default=800)
+    p.add_argument("--runs", default=",".join(RUN_NAMES),
+                   help=f"comma-separated subset of {', '.join(RUN_NAMES)}, in order (the alerts of a faulted run "
+                        "listed after healthy that the healthy run also raised are not counted)")
+    p.add_argument("--sft-iters", type=int, default=800)  # the defaults are the docs table's settings
     p.add_argument("--sft-docs", type=int, default=20000)
     p.add_argument("--sft-seed", type=int, default=7)
-    p.add_argument("--rl-iters", type=int, default=30)
-    p.add_argument("--onset", type=int, default=13, help="first train_rl.py iteration of every fault")
+    p.add_argument("--rl-iters", type=int, default=22)
+    p.add_argument("--onset", type=int, default=12, help="first train_rl.py iteration of every fault")
     p.add_argument("--noise-std", type=float, default=0.5)
     p.add_argument("--lr-x", type=float, default=50.0)
     p.add_argument("--partial-credit", type=float, default=0.5, help="the agent's credit per right digit")
