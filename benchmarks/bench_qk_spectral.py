@@ -42,8 +42,8 @@ from threadpoolctl import threadpool_limits
 
 from mindspeed_proxy.determinism import cpu_model
 from mindspeed_proxy.monitor.qk_gram import GRAM_CHUNK_ELEMENTS, factor_blocks, rows_gram, term_grams
-from mindspeed_proxy.monitor.spectral import (_psd_factor, qk_increment_singular_values, qk_increment_spectra,
-                                              spectral_stats)
+from mindspeed_proxy.monitor.spectral import (_congruence, _psd_factor_checked, qk_increment_singular_values,
+                                              qk_increment_spectra, spectral_stats, uses_sygst)
 from qk_bound import bound_seconds, core_flops, gemm_throughput  # benchmarks/qk_bound.py
 
 TARGET_RATIO = 1000.0
@@ -148,17 +148,18 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats, counts):
     query, key = factor_blocks(wq, wq_new), factor_blocks(wk, wk_new)
     g_a, g_b = term_grams(query, key, "delta2")
     eps = torch.finfo(torch.float32).eps
-    factor = _psd_factor(g_a, eps)
-    core = factor.mT @ g_b @ factor
+    factor, lower = _psd_factor_checked(g_a, eps)
+    core, uplo = _congruence(factor, g_b, lower)
+    how = "sygst" if uplo == "L" else "2 GEMMs"
     stages = {
         "ΔW differences (q, k)": lambda: (rows[2] - rows[0], rows[3] - rows[1]),
         "ΔᵀΔ syrk (q, k; numpy BLAS)": lambda: [rows_gram(x) for x in diffs],
         "WᵀΔ GEMM (q, k)": lambda: [r @ x.mT for r, x in zip(rows[:2], diffs)],
         "WᵀW syrk (q, k; cold only)": lambda: [rows_gram(r) for r in rows[:2]],
         "assemble 2h×2h Grams": lambda: term_grams(query, key, "delta2"),
-        "Cholesky of G_A (float64)": lambda: _psd_factor(g_a, eps),
-        "core Fᵀ G_B F (float64)": lambda: factor.mT @ g_b @ factor,
-        "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core),
+        "Cholesky of G_A (float64)": lambda: _psd_factor_checked(g_a, eps),
+        f"core FᵀG_BF (float64, {how})": lambda: _congruence(factor, g_b, lower),
+        "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core, UPLO=uplo),
     }
     times = round_robin({(name, n): at_threads(n, fn) for name, fn in stages.items() for n in counts}, device, repeats)
     print("\nprofile of one head, raw calls (best wall time over the runs, ms):")
@@ -173,23 +174,28 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats, counts):
 def print_bound(gflops, cases, counts, d, h, groups, dense_head, cpu):
     """The core's time as a multiple of its GEMM bound (qk_bound), the dense-SVD ratio beside it."""
     chunk = max(1, GRAM_CHUNK_ELEMENTS // (d * h))
-    print(f"GEMM bound on {cpu}: torch.matmul on the core's shapes, measured in this run:")
+    sygst = uses_sygst(torch.zeros(1, dtype=torch.float64))
+    print(f"GEMM bound on {cpu} (the core's FᵀG_BF by {'LAPACK sygst' if sygst else 'two GEMMs'})")
+    print("  torch.matmul on the core's shapes, measured in this run:")
     for n in counts:
-        print(f"  {n} thread(s): fp32 [{chunk},{h},{d}]x[{chunk},{d},{h}] {gflops[n]['fp32']:.1f} GFLOP/s, "
-              f"fp64 [{chunk},{2 * h},{2 * h}]x[{chunk},{2 * h},{2 * h}] {gflops[n]['fp64']:.1f} GFLOP/s")
+        wall, cpu = gflops[n]["wall"], gflops[n]["cpu"]
+        print(f"  {n} thread(s): fp32 [{chunk},{h},{d}]x[{chunk},{d},{h}] {wall['fp32']:.1f} GFLOP/s "
+              f"({cpu['fp32']:.1f} per CPU-s), fp64 [{chunk},{2 * h},{2 * h}]x[{chunk},{2 * h},{2 * h}] "
+              f"{wall['fp64']:.1f} GFLOP/s ({cpu['fp64']:.1f} per CPU-s)")
     print(f"core time / bound (target <= {TARGET_BOUND:.0f}x in steady state); dense SVD / core as the second ratio:")
     print(f"  {'threads':>7} {'case':<24} {'kind':<6} {'GFLOP fp32+fp64':>16} {'bound ms':>9} {'core ms':>9} "
-          f"{'x bound':>8}  {'dense/core':>10}")
+          f"{'x bound':>8}       {'(CPU-s)':>8} {'dense/core':>10}")
     for n in counts:
         for case, times, m, prefix in cases:
             key_blocks = groups if prefix else m
             for kind in ("cold", "steady"):
-                flops = core_flops(d, h, m, key_blocks, kind == "cold", core_gemms=True)
-                bound, core = bound_seconds(flops, gflops[n]), times[(prefix + kind, n)][1]
+                flops = core_flops(d, h, m, key_blocks, kind == "cold", core_gemms=not sygst)
+                bound, core = bound_seconds(flops, gflops[n]["wall"]), times[(prefix + kind, n)][1]
+                cpu_multiple = times[(prefix + kind, n)][2] / bound_seconds(flops, gflops[n]["cpu"])
                 verdict = (" PASS" if core <= TARGET_BOUND * bound else " FAIL") if kind == "steady" else ""
                 print(f"  {n:>7} {case:<24} {kind:<6} {flops['fp32'] / 1e9:>7.3f}+{flops['fp64'] / 1e9:<8.3f} "
                       f"{bound * 1e3:>9.2f} {core * 1e3:>9.2f} {core / bound:>7.2f}x{verdict:<5} "
-                      f"{dense_head[n][0] * m / core:>9.0f}x")
+                      f"{cpu_multiple:>7.2f}x {dense_head[n][0] * m / core:>9.0f}x")
 
 
 def make_layer(heads, d, h, device, seed=0):

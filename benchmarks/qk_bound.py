@@ -28,19 +28,20 @@ def core_flops(d: int, h: int, heads: int, key_blocks: int, cold: bool, core_gem
     return {"fp32": float(per_block * (heads + key_blocks)), "fp64": float(small * heads)}
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    """Best wall time of `fn` over `repeats` runs after one warm-up."""
+def _best_seconds(fn, repeats: int) -> tuple[float, float]:
+    """Best wall time and best CPU time of this process of `fn` over `repeats` runs after one warm-up."""
     fn()
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def gemm_throughput(d: int, h: int, chunk: int, repeats: int = 7, seed: int = 0) -> dict:
-    """GFLOP/s of torch.matmul on the core's shapes at the current thread count: {"fp32": .., "fp64": ..}."""
+    """GFLOP/s of torch.matmul on the core's shapes at the current thread count, per wall second and per
+    CPU second of the process: {"wall": {"fp32": .., "fp64": ..}, "cpu": {...}}."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(chunk, h, d, generator=gen)
     diff = torch.randn(chunk, h, d, generator=gen)
@@ -50,7 +51,9 @@ def gemm_throughput(d: int, h: int, chunk: int, repeats: int = 7, seed: int = 0)
     out64 = torch.empty(chunk, m, m, dtype=torch.float64)
     t32 = _best_seconds(lambda: torch.matmul(rows, diff.mT, out=out32), repeats)
     t64 = _best_seconds(lambda: torch.matmul(a, b, out=out64), repeats)
-    return {"fp32": 2 * chunk * h * h * d / t32 / 1e9, "fp64": 2 * chunk * m ** 3 / t64 / 1e9}
+    flops = {"fp32": 2 * chunk * h * h * d, "fp64": 2 * chunk * m ** 3}
+    return {kind: {"fp32": flops["fp32"] / t32[i] / 1e9, "fp64": flops["fp64"] / t64[i] / 1e9}
+            for i, kind in enumerate(("wall", "cpu"))}
 
 
 def bound_seconds(flops: dict, gflops: dict) -> float:
