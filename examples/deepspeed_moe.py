@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     try:
         for module in ("deepspeed", "transformers"):
             require(module, "examples/deepspeed_moe.py", extra="deepspeed")
+        require("scipy.stats", "examples/deepspeed_moe.py (its compare)", extra="report")
     except MissingExtra as exc:
         print(f"deepspeed_moe: {exc}", file=sys.stderr)
         return 2
