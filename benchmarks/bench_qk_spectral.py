@@ -20,6 +20,11 @@ The Gram core is timed twice. "cold": a first sample (or one after a snapshot re
 sample's new ones (the monitor with δ = interval) gets their Gram WᵀW from that sample, so its time
 excludes the WᵀW products; the reused Gram passed in here is the exact one of the old blocks.
 
+The GEMM bound (issue 35): the core's FLOP count (`qk_bound.core_flops`: what the code runs, fp32 d-long
+products and the float64 2h×2h problem) over the throughput of torch.matmul on the core's own shapes, measured
+in the same run at each thread count; the core's steady time should be <= 2x that bound. The dense-SVD
+ratio stays beside it (it depends on the CPU's LAPACK as much as on the core), with the CPU named.
+
 Spectrum relative error (the accuracy target) = max_i |σ_i − σ_ref,i| / σ_ref,i over the reference
 values above the rank tolerance that `spectral_stats` applies to fp32 spectra (σ > max(2h, d)·eps_fp32·σ_max),
 over the timed dense heads; the relative error of the spectral entropy H (α = 2) is reported beside it,
@@ -35,12 +40,15 @@ from contextlib import contextmanager
 import torch
 from threadpoolctl import threadpool_limits
 
-from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
-from mindspeed_proxy.monitor.spectral import (_psd_factor, qk_increment_singular_values, qk_increment_spectra,
-                                              spectral_stats)
+from mindspeed_proxy.determinism import cpu_model
+from mindspeed_proxy.monitor.qk_gram import GRAM_CHUNK_ELEMENTS, factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.spectral import (_congruence, _psd_factor_checked, qk_increment_singular_values,
+                                              qk_increment_spectra, spectral_stats, uses_sygst)
+from qk_bound import bound_seconds, core_flops, gemm_throughput  # benchmarks/qk_bound.py
 
 TARGET_RATIO = 1000.0
 TARGET_ERROR = 1e-4
+TARGET_BOUND = 2.0
 
 
 @contextmanager
@@ -140,17 +148,18 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats, counts):
     query, key = factor_blocks(wq, wq_new), factor_blocks(wk, wk_new)
     g_a, g_b = term_grams(query, key, "delta2")
     eps = torch.finfo(torch.float32).eps
-    factor = _psd_factor(g_a, eps)
-    core = factor.mT @ g_b @ factor
+    factor, lower = _psd_factor_checked(g_a, eps)
+    core, uplo = _congruence(factor, g_b, lower)
+    how = "sygst" if uplo == "L" else "2 GEMMs"
     stages = {
         "ΔW differences (q, k)": lambda: (rows[2] - rows[0], rows[3] - rows[1]),
         "ΔᵀΔ syrk (q, k; numpy BLAS)": lambda: [rows_gram(x) for x in diffs],
         "WᵀΔ GEMM (q, k)": lambda: [r @ x.mT for r, x in zip(rows[:2], diffs)],
         "WᵀW syrk (q, k; cold only)": lambda: [rows_gram(r) for r in rows[:2]],
         "assemble 2h×2h Grams": lambda: term_grams(query, key, "delta2"),
-        "Cholesky of G_A (float64)": lambda: _psd_factor(g_a, eps),
-        "core Fᵀ G_B F (float64)": lambda: factor.mT @ g_b @ factor,
-        "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core),
+        "Cholesky of G_A (float64)": lambda: _psd_factor_checked(g_a, eps),
+        f"core FᵀG_BF (float64, {how})": lambda: _congruence(factor, g_b, lower),
+        "eigvalsh 2h×2h (float64)": lambda: torch.linalg.eigvalsh(core, UPLO=uplo),
     }
     times = round_robin({(name, n): at_threads(n, fn) for name, fn in stages.items() for n in counts}, device, repeats)
     print("\nprofile of one head, raw calls (best wall time over the runs, ms):")
@@ -160,6 +169,33 @@ def profile_head(wq, wk, wq_new, wk_new, device, repeats, counts):
         walls = [times[(name, n)][1] for n in counts]
         ratio = f"{walls[-1] / walls[0]:>7.2f}x" if len(counts) > 1 else ""
         print(f"  {name:<30}" + "".join(f"{w * 1e3:>14.3f}" for w in walls) + ratio)
+
+
+def print_bound(gflops, cases, counts, d, h, groups, dense_head, cpu):
+    """The core's time as a multiple of its GEMM bound (qk_bound), the dense-SVD ratio beside it."""
+    chunk = max(1, GRAM_CHUNK_ELEMENTS // (d * h))
+    sygst = uses_sygst(torch.zeros(1, dtype=torch.float64))
+    print(f"GEMM bound on {cpu} (the core's FᵀG_BF by {'LAPACK sygst' if sygst else 'two GEMMs'})")
+    print("  torch.matmul on the core's shapes, measured in this run:")
+    for n in counts:
+        wall, cpu = gflops[n]["wall"], gflops[n]["cpu"]
+        print(f"  {n} thread(s): fp32 [{chunk},{h},{d}]x[{chunk},{d},{h}] {wall['fp32']:.1f} GFLOP/s "
+              f"({cpu['fp32']:.1f} per CPU-s), fp64 [{chunk},{2 * h},{2 * h}]x[{chunk},{2 * h},{2 * h}] "
+              f"{wall['fp64']:.1f} GFLOP/s ({cpu['fp64']:.1f} per CPU-s)")
+    print(f"core time / bound (target <= {TARGET_BOUND:.0f}x in steady state); dense SVD / core as the second ratio:")
+    print(f"  {'threads':>7} {'case':<24} {'kind':<6} {'GFLOP fp32+fp64':>16} {'bound ms':>9} {'core ms':>9} "
+          f"{'x bound':>8}       {'(CPU-s)':>8} {'dense/core':>10}")
+    for n in counts:
+        for case, times, m, prefix in cases:
+            key_blocks = groups if prefix else m
+            for kind in ("cold", "steady"):
+                flops = core_flops(d, h, m, key_blocks, kind == "cold", core_gemms=not sygst)
+                bound, core = bound_seconds(flops, gflops[n]["wall"]), times[(prefix + kind, n)][1]
+                cpu_multiple = times[(prefix + kind, n)][2] / bound_seconds(flops, gflops[n]["cpu"])
+                verdict = (" PASS" if core <= TARGET_BOUND * bound else " FAIL") if kind == "steady" else ""
+                print(f"  {n:>7} {case:<24} {kind:<6} {flops['fp32'] / 1e9:>7.3f}+{flops['fp64'] / 1e9:<8.3f} "
+                      f"{bound * 1e3:>9.2f} {core * 1e3:>9.2f} {core / bound:>7.2f}x{verdict:<5} "
+                      f"{cpu_multiple:>7.2f}x {dense_head[n][0] * m / core:>9.0f}x")
 
 
 def make_layer(heads, d, h, device, seed=0):
@@ -203,6 +239,7 @@ def main(argv=None):
     counts = sorted({1, max(1, args.threads)})
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
+    print(f"CPU: {cpu_model()}")
     print(f"device={device} torch={torch.__version__} threads={'/'.join(map(str, counts))} "
           f"d={d} h={h} heads={heads} dtype=float32 dense={args.dense_method}")
 
@@ -327,6 +364,9 @@ def main(argv=None):
         print(f"GQA: shared key Gram vs one key copy per head, max |Δσ|/σ_max {spectrum_error(sv_gqa, expanded):.1e}")
     print(f"Δ2 entropy head 0: {ent_one.item():.6f} (single) {ent_layer[0].item():.6f} (batched); "
           f"max |single − batched| spectrum diff {spectrum_error(sv_one, sv_layer[0]):.1e}")
+    gflops = {n: at_threads(n, lambda: gemm_throughput(d, h, max(1, GRAM_CHUNK_ELEMENTS // (d * h))))()
+              for n in counts}
+    print_bound(gflops, cases, counts, d, h, groups, dense_head, cpu_model())
     if args.profile:
         profile_head(*one, device, args.repeats, counts)
     print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} "

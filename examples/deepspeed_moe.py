@@ -1,6 +1,6 @@
 """DeepSpeed host end to end: a tiny Qwen3-MoE under ZeRO-2 on 2 ranks, healthy and with a router fault.
 
-    python examples/deepspeed_moe.py [--quick] [--work-dir runs/deepspeed_moe]
+    python examples/deepspeed_moe.py [--quick] [--work-dir runs/deepspeed_moe] [--seed N] [--no-pin]
 
 1. healthy: the monitor (router family) attached to the DeepSpeed engine; no alert expected;
 2. router-fault: the same run with the router's learning rate ×10 from step --fault-step; the router family
@@ -12,8 +12,12 @@
    the model's logits and the public observer (`mindspeed_proxy.rl.observe.RolloutObserver`) feeding the rl
    family.
 Runs go to WORK_DIR/{healthy,router-fault,original,proxy} (metrics.jsonl + mechanism_monitor/monitor.jsonl each).
---quick: fewer steps (a smoke run; no alert expected either way). Exit status 1 if a full run's outcome is
-not the expected one.
+Every rank (and the converter it launches) computes under the pinned numerics of the demos
+(`determinism.PINNED_ENV`: one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch; docs/determinism.md);
+--no-pin leaves the caller's environment as it is. --quick: fewer steps (a smoke run; no alert expected
+either way). Exit status 1 if a full run's outcome is not the expected one: no router alert on the healthy
+run, a router alert at or after the fault step on the faulted one, and `compare` of the original and the
+proxy consistent.
 """
 from __future__ import annotations
 
@@ -100,7 +104,10 @@ def train(model, run_dir: str, steps: int, fault_step: int | None = None, save: 
     rank = dist.get_rank()
     metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w", encoding="utf-8") if rank == 0 else None
     if metrics:
-        metrics.write(json.dumps({"type": "args", "args": {"steps": steps, "fault_step": fault_step}}) + "\n")
+        from mindspeed_proxy.determinism import numerics_record
+
+        metrics.write(json.dumps({"type": "args", "args": {"steps": steps, "fault_step": fault_step},
+                                  "numerics": numerics_record()}) + "\n")
     if fault_step is not None:
         monitor.log_record({"type": "faults", "faults": [{"kind": "router-lr", "scale": ROUTER_FAULT_LR,
                                                           "start": fault_step}]})
@@ -228,6 +235,11 @@ def rank_job(work_dir: str, steps: int, fault_step: int, grpo: int, seed: int = 
     return out
 
 
+def _numerics(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return json.loads(fh.readline())["numerics"]
+
+
 def _losses(run_dir: str) -> list:
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         return [r["loss"] for r in map(json.loads, fh) if r.get("type") == "step"]
@@ -242,6 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--fault-step", type=int, default=None, help="the router LR ×10 from this step (default 30)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data (default 0, on which the "
                    "monitor block's thresholds were chosen; other seeds are held-out runs)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the numerics (determinism.PINNED_ENV): the "
+                   "ranks run with the caller's environment (threads stay 1)")
     args = p.parse_args(argv)
     steps = args.steps or (12 if args.quick else 60)
     fault_step = args.fault_step or (6 if args.quick else 30)
@@ -253,17 +267,21 @@ def main(argv=None) -> int:
     try:
         for module in ("deepspeed", "transformers"):
             require(module, "examples/deepspeed_moe.py", extra="deepspeed")
+        require("scipy.stats", "examples/deepspeed_moe.py (its compare)", extra="report")
     except MissingExtra as exc:
         print(f"deepspeed_moe: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in RUNS + ("healthy-hf", "proxy-hf"):  # this example's own outputs
         shutil.rmtree(os.path.join(args.work_dir, name), ignore_errors=True)
-    from mindspeed_proxy.cli import main as cli_main
+    from mindspeed_proxy.determinism import PINNED_ENV
+    from mindspeed_proxy.report.compare import compare_runs, format_table
     from mindspeed_proxy.testing import run_distributed
 
+    env = {"OMP_NUM_THREADS": "1"} if args.no_pin else PINNED_ENV
+    print("pinned numerics: " + ("none (--no-pin)" if args.no_pin else " ".join(f"{k}={v}" for k, v in env.items())))
     out = run_distributed(rank_job, 2, args.work_dir, steps, fault_step, 1 if args.quick else 4, args.seed,
-                          timeout=900)[0]
+                          timeout=900, env=env)[0]
     if out.get("convert", {}).get("rc"):
         print(f"deepspeed_moe: convert_to_proxy.py failed:\n{out['convert']['tail']}", file=sys.stderr)
         return 1
@@ -280,12 +298,20 @@ def main(argv=None) -> int:
         print(f"GRPO step {r['iteration']}: reward {r['reward_mean']:.3f}, mismatch "
               f"{r.get('mismatch_abs_logp_max', 0.0):.2e}")
     print("\nmindspeed-proxy compare original proxy:")
-    cli_main(["compare", runs["original"], runs["proxy"]])
+    result = compare_runs(runs["original"], runs["proxy"])
+    print(format_table(result))
+    numerics = _numerics(runs["healthy"])
+    print(f"\nnumerics: torch {numerics['torch']}, ATen {numerics['cpu_capability']}, {numerics['threads']} "
+          f"thread(s) per rank, MKL_CBWR={numerics['env'].get('MKL_CBWR')}, on {numerics['cpu']}")
     if args.quick:
         return 0
-    expected = not out["healthy_alerts"] and any(a["step"] >= fault_step for a in out["fault_alerts"])
-    print("\noutcome:", "as expected" if expected else "NOT as expected (see the alerts above)")
-    return 0 if expected else 1
+    missed = (["a router alert on the healthy run"] if out["healthy_alerts"] else []) + \
+        ([] if any(a["step"] >= fault_step for a in out["fault_alerts"]) else
+         [f"no router alert at or after the fault step {fault_step}"]) + \
+        ([] if result["verdict"] == "consistent" else ["compare: " + "; ".join(result["reasons"])])
+    print("\noutcome:", "as expected (no healthy alert, the fault alerted, compare consistent)" if not missed
+          else "NOT as expected: " + "; ".join(missed))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

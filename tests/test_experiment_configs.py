@@ -38,7 +38,7 @@ def test_every_shipped_yaml_loads_through_its_typed_config(name):
 
 @pytest.mark.parametrize("name, old, new, message", [
     ("fault_matrix.yaml", "loss_window: 10", "loss_windw: 10",
-     "fault_matrix.yaml: divergence.loss_windw: unknown key (known: warmup, loss_factor, grad_factor, loss_window)"),
+     "fault_matrix.yaml: divergence.loss_windw: unknown key (known: warmup, loss_factor, grad_factor, loss_window, persistence)"),
     ("fault_matrix.yaml", "original: {ranks: 2,", 'original: {ranks: "2",',
      "fault_matrix.yaml: original.ranks: expected int, got '2'"),
     ("fault_matrix.yaml", "quick: {}", "quick: {runs: {iters: 5}}", "fault_matrix.yaml: modes.quick.runs: unknown key"),

@@ -51,17 +51,19 @@ def jsonl(path):
 
 
 def independent_divergence(steps, rule):
-    """The documented rule, re-implemented here from the raw step records."""
-    lmin, grads = math.inf, []
-    for i, r in enumerate(steps):
-        loss, gn = float(r["loss"]), float(r["grad_norm"])
-        if not math.isfinite(loss):
-            return r["iteration"]
-        if i >= rule.warmup and (loss > rule.loss_factor * lmin or
-                                 (grads and gn > rule.grad_factor * statistics.median(grads))):
-            return r["iteration"]
-        lmin = min(lmin, loss)
-        grads.append(gn)
+    """The documented rule, re-implemented here from the raw step records (per-step loss: loss_window 1)."""
+    assert rule.loss_window == 1
+    loss, gn, it = ([r[k] for r in steps] for k in ("loss", "grad_norm", "iteration"))
+    start = None  # index of the first step of the current loss rise
+    for i in range(len(steps)):
+        if not math.isfinite(loss[i]):
+            return it[i if start is None else start]
+        rises = i >= rule.warmup and loss[i] > rule.loss_factor * min(loss[:i])
+        start = (i if start is None else start) if rises else None
+        if start is not None and i - start + 1 == rule.persistence:
+            return it[start]
+        if i >= rule.warmup and gn[i] > rule.grad_factor * statistics.median(gn[:i]):
+            return it[i if start is None else start]
     return None
 
 

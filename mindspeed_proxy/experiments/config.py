@@ -43,6 +43,7 @@ class Divergence:
     loss_factor: float
     grad_factor: float
     loss_window: int = 1
+    persistence: int = 3
 
 
 @dataclass

@@ -16,6 +16,11 @@ import torch
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
 from mindspeed_proxy.monitor.threads import outer_threads, single_threaded
 
+try:  # scipy is an extra: without it the core forms FᵀG_BF by two GEMMs
+    from scipy.linalg.lapack import dsygst as _dsygst
+except ImportError:  # pragma: no cover - exercised where scipy is absent
+    _dsygst = None
+
 TERMS = ("delta1", "delta2", "delta3")
 PARALLEL_MIN_ELEMENTS = 1 << 20  # heads·d·h of one QK core call below which its heads stay on one thread
 PARALLEL_MODES = (None, "column", "row")
@@ -128,7 +133,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _psd_factor(gram: torch.Tensor, gram_eps: float) -> torch.Tensor:
-    """F with F·Fᵀ = gram [..., m, m] (positive semidefinite), jitter-free.
+    """F with F·Fᵀ = gram [..., m, m] (positive semidefinite), jitter-free (see `_psd_factor_checked`)."""
+    return _psd_factor_checked(gram, gram_eps)[0]
+
+
+def _psd_factor_checked(gram: torch.Tensor, gram_eps: float) -> tuple[torch.Tensor, bool]:
+    """(F with F·Fᵀ = gram [..., m, m] positive semidefinite, whether every F is lower triangular), jitter-free.
 
     The Gram is equilibrated to unit diagonal (exactly zero columns get a unit pivot and a zero
     row in F, so ΔW = 0 stays exactly 0) and Cholesky-factored. Where Cholesky fails (a numerically
@@ -147,14 +157,40 @@ def _psd_factor(gram: torch.Tensor, gram_eps: float) -> torch.Tensor:
         lam = torch.where(lam > m * gram_eps * lam.amax(-1, keepdim=True), lam, torch.zeros_like(lam))
         factor = factor.clone()
         factor[failed] = vec * lam.sqrt().unsqueeze(-2)
-    return scale.unsqueeze(-1) * factor
+        return scale.unsqueeze(-1) * factor, False
+    return scale.unsqueeze(-1) * factor, True
+
+
+def uses_sygst(x: torch.Tensor) -> bool:
+    """Whether the Gram core forms FᵀG_BF of `x`'s kind (device, dtype) by LAPACK sygst (else by two GEMMs)."""
+    return _dsygst is not None and x.device.type == "cpu" and x.dtype == torch.float64
+
+
+def _congruence(f: torch.Tensor, gram_b: torch.Tensor, lower: bool) -> tuple[torch.Tensor, str]:
+    """(Fᵀ·G_B·F [..., m, m], the triangle that holds it: "L" or "U"); leading dims broadcast.
+
+    With a lower-triangular F on CPU in float64, LAPACK's sygst forms it in m³ flops (two GEMMs: 4m³) and
+    writes the lower triangle only. The row-major buffers are handed over as their column-major transposes:
+    G_B is symmetric, and Fᵀ is the upper factor U of sygst's U·A·Uᵀ (itype 2), so U·G_B·Uᵀ = Fᵀ·G_B·F.
+    """
+    if not (lower and uses_sygst(f)):
+        return f.mT @ gram_b @ f, "U"
+    f, gram_b = torch.broadcast_tensors(f, gram_b)
+    m = f.shape[-1]
+    out = gram_b.reshape(-1, m, m).clone(memory_format=torch.contiguous_format)
+    fs = f.reshape(-1, m, m).contiguous().numpy()
+    for a, u in zip(out.numpy(), fs):
+        _, info = _dsygst(a.T, u.T, itype=2, lower=0, overwrite_a=1)
+        if info:
+            raise RuntimeError(f"LAPACK dsygst failed (info {info})")
+    return out.view(f.shape), "L"
 
 
 def _gram_core_singular_values(gram_a: torch.Tensor, gram_b: torch.Tensor, gram_eps: float) -> torch.Tensor:
     """σ(A·Bᵀ) descending from G_A = AᵀA, G_B = BᵀB: σ² = eig(Fᵀ G_B F) with F·Fᵀ = G_A (leading dims broadcast)."""
-    f = _psd_factor(gram_a, gram_eps)
-    core = f.mT @ gram_b @ f
-    return torch.linalg.eigvalsh(core).clamp_min(0).sqrt().flip(-1)
+    f, lower = _psd_factor_checked(gram_a, gram_eps)
+    core, uplo = _congruence(f, gram_b, lower)
+    return torch.linalg.eigvalsh(core, UPLO=uplo).clamp_min(0).sqrt().flip(-1)
 
 
 def _resolve_method(method: str, dtype: torch.dtype) -> str:

@@ -39,3 +39,6 @@ def test_quick_mode_runs_every_phase(tmp_path, capsys):
           if r["type"] == "sample" and r["family"] == "rl"]
     assert rl, "the GRPO step did not reach the rl family"
     assert "GRPO step 1: reward" in out and "verdict:" in out and "proxy: 4 experts (from 8)" in out
+    numerics = _records(tmp_path / "healthy" / "metrics.jsonl")[0]["numerics"]  # the ranks ran on the pins
+    assert numerics["env"]["MKL_CBWR"] == "COMPATIBLE" and numerics["cpu_capability"] in ("AVX2", "DEFAULT")
+    assert "MKL_CBWR=COMPATIBLE" in out

@@ -415,3 +415,30 @@ def test_lowrank_product_gram_matches_qr_and_rejects_unknown_method():
         assert relative_errors(got[i], ref, 80)[0] <= 1e-4
     with pytest.raises(ValueError):
         lowrank_product_singular_values(a, b, method="svd")
+
+
+def test_gram_core_congruence_by_sygst_equals_the_two_gemms_in_float64():
+    # issue 35: FᵀG_BF by LAPACK sygst (m³ flops, lower triangle) instead of two GEMMs (4m³), same values
+    from mindspeed_proxy.monitor.spectral import _congruence, _gram_core_singular_values, _psd_factor_checked, uses_sygst
+
+    pytest.importorskip("scipy.linalg.lapack")
+    gen = torch.Generator().manual_seed(35)
+    d, m = 96, 20
+    a = torch.randn(3, 1, d, m, generator=gen, dtype=torch.float64) * torch.logspace(0, -3, m, dtype=torch.float64)
+    b = torch.randn(1, 4, d, m, generator=gen, dtype=torch.float64)  # GQA-like broadcast of the key side
+    f, lower = _psd_factor_checked(a.mT @ a, torch.finfo(torch.float64).eps)
+    assert lower and uses_sygst(f) and not uses_sygst(f.float())
+    core, uplo = _congruence(f, b.mT @ b, lower)
+    ref = f.mT @ (b.mT @ b) @ f
+    assert uplo == "L" and core.shape == (3, 4, m, m)
+    assert (core.tril() - ref.tril()).abs().max() <= 1e-13 * ref.abs().max()
+    got = _gram_core_singular_values(a.mT @ a, b.mT @ b, torch.finfo(torch.float64).eps)
+    dense = np.linalg.svd((a @ b.mT).numpy(), compute_uv=False)[..., :m]  # σ(A·Bᵀ) of the formed d×d products
+    assert np.abs(got.numpy() - dense).max() <= 1e-12 * dense.max()
+    # a rank-deficient query Gram: Cholesky fails, F comes from eigh (not triangular) and takes the GEMM path
+    a[0, 0, :, 1] = a[0, 0, :, 0]
+    f, lower = _psd_factor_checked(a.mT @ a, torch.finfo(torch.float64).eps)
+    assert not lower and _congruence(f, b.mT @ b, lower)[1] == "U"
+    got = _gram_core_singular_values(a.mT @ a, b.mT @ b, torch.finfo(torch.float64).eps)
+    dense = np.linalg.svd((a @ b.mT).numpy(), compute_uv=False)[..., :m]
+    assert np.abs(got.numpy() - dense).max() <= 1e-10 * dense.max()
