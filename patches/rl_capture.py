@@ -45,6 +45,7 @@ class Capture:
         self.top_k: Optional[int] = None
         self.warned: set = set()
         self.failed = False
+        self.r3_unreplayed_passes = 0  # forwards under R3 with a row no rollout starts: routed without replay
 
     def active(self) -> bool:
         """Whether anything wants the capture: the monitor or R3."""
@@ -102,9 +103,13 @@ class Capture:
         if RUNTIME.routing_replay != "r3" or self.table is None or not self.table.layers:
             return None
         experts, recorded = self.table.lookup(tokens.cpu(), top_k=self.top_k)
-        if not bool(recorded.any(dim=1).all()):
-            raise RuntimeError("R3: a training row matches no rollout the engine ran (its tokens start no recorded "
-                               "request); routing replay cannot pick its experts")
+        unmatched = int((~recorded.any(dim=1)).sum())
+        if unmatched:  # never a crash: this pass routes as it would without R3, and says so
+            self.r3_unreplayed_passes += 1
+            self.warn("r3-unmatched", f"R3: {unmatched} of {tokens.shape[0]} training rows match no rollout the "
+                                      "engine ran (their tokens start no recorded request); that pass routes without "
+                                      "replay (counted in r3_unreplayed_passes; logged once)")
+            return None
         return engine_to_router_order(forward_fill(experts, recorded)).to(tokens.device)
 
     def on_old_entropy(self, logits: torch.Tensor) -> None:

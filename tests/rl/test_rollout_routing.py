@@ -136,3 +136,30 @@ def test_hooked_signatures_match_the_checkout():
     assert "def current_input_and_position_ids(" in source
     for field in CONTEXT_FIELDS:
         assert f"self.{field} = " in source, field
+
+
+def test_r3_routes_a_pass_without_replay_when_a_row_matches_no_rollout(monkeypatch, caplog):
+    """R3 never stops training: a pass with a row that no recorded request starts routes without replay, is
+    counted, and the warning is logged once; a pass whose rows all match gets the table's experts."""
+    from mindspeed_proxy.patches.rl_capture import Capture
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "routing_replay", "r3")
+    capture = Capture()
+    capture.top_k = 2
+    table = RolloutRouting()
+    tokens = torch.tensor([5, 6, 7, 8])
+    experts = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    for layer in (1, 2):
+        table.record(layer, torch.zeros(4, dtype=torch.long), torch.arange(4), tokens, experts + layer - 1)
+    capture.table = table
+    matched = capture.replay_indices(torch.tensor([[5, 6, 7, 8, 9]]))
+    assert matched is not None and matched.shape == (2, 5, 2)
+    assert capture.r3_unreplayed_passes == 0
+    with caplog.at_level("WARNING", logger="mindspeed_proxy"):
+        for _ in range(2):
+            assert capture.replay_indices(torch.tensor([[5, 6, 7, 8, 9], [9, 6, 7, 8, 5]])) is None
+    assert capture.r3_unreplayed_passes == 2
+    assert [r.getMessage() for r in caplog.records].count(
+        "mindspeed-proxy: R3: 1 of 2 training rows match no rollout the engine ran (their tokens start no recorded "
+        "request); that pass routes without replay (counted in r3_unreplayed_passes; logged once)") == 1
