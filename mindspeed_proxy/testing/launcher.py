@@ -208,13 +208,13 @@ def _python_child(argv, caller, env, out_path, err_path):
     os._exit(code)
 
 
-def run_python(argv: list[str], env: dict | None = None, timeout: float = 300.0):
+def run_python(argv: list[str], env: dict | None = None, timeout: float = 300.0, cwd: str | None = None):
     """`python ARGV` (`SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) in a process forked from the launcher's
     fork server, where torch and megatron-core are imported already: a fresh process with nothing patched or
     activated, in ~0.1 s instead of the ~6 CPU-s a new interpreter spends importing them.
 
     Returns a subprocess.CompletedProcess (exit code, stdout and stderr as text) as
-    `subprocess.run([sys.executable, *argv], capture_output=True, text=True)` would; raises
+    `subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd)` would; raises
     subprocess.TimeoutExpired after `timeout` seconds. What differs from a new interpreter: modules imported at
     the server's start are not imported again, so what their import prints is not in stderr, and an `env`
     that the imports read (determinism.NUMERIC_ENV) starts a new interpreter instead (`_context`).
@@ -223,7 +223,7 @@ def run_python(argv: list[str], env: dict | None = None, timeout: float = 300.0)
     import tempfile
 
     ctx = _context(env or {})
-    caller = {"cwd": os.getcwd(), "path": list(sys.path), "environ": dict(os.environ)}
+    caller = {"cwd": os.fspath(cwd or os.getcwd()), "path": list(sys.path), "environ": dict(os.environ)}
     with tempfile.TemporaryDirectory(prefix="run_python-") as tmp:
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
