@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mindspeed-proxy-installed
-PYTEST_ARGS ?= --durations=15
+PYTEST_ARGS ?= --durations=15 --cpu-durations=15
 # the test files to run, e.g. in reverse order: make test TESTS="$(find tests -name 'test_*.py' | sort -r | xargs)"
 TESTS ?= tests
 # pytest-xdist: one worker per core, whole files per worker (module fixtures build once; proxy checkpoints are
-# shared between workers through a file lock, mindspeed_proxy/testing/shared.py). XDIST= runs in one process.
-XDIST ?= -n auto --dist loadfile
+# shared between workers through a file lock, mindspeed_proxy/testing/shared.py), the most expensive files first
+# (tests/conftest.py EXPENSIVE_FILES; --no-loadscope-reorder keeps that order). XDIST= runs in one process.
+XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
 
 # The current megatron-core line (0.17+ needs Python >= 3.12) in its own venv; never part of `make test` / CI:
 # on Python 3.12 `pip install torch==2.13.0` fetches the CUDA build (runs on CPU, large download).

@@ -1,10 +1,27 @@
 """Leak guard: a test that leaves a patch applied, a process group or parallel_state alive, the platform layer
-switched on, or a rank process running in the pytest process fails, so no state reaches the tests after it."""
+switched on, or a rank process running in the pytest process fails, so no state reaches the tests after it.
+Also the file order for pytest-xdist (mindspeed_proxy/testing/schedule.py) and the --cpu-durations report."""
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 
 import psutil
 import pytest
+
+from mindspeed_proxy.testing.schedule import expensive_first
+
+pytest_plugins = ("mindspeed_proxy.testing.cpu_report",)  # --cpu-durations=N
+
+# Files that cost more than ~25 CPU-s, most first: `make test --cpu-durations=0` on 2 cores (rank processes
+# included). `make test` runs them first (--no-loadscope-reorder), each whole on one worker.
+EXPENSIVE_FILES = ("tests/test_fault_matrix.py", "tests/rl/test_rl_loop.py", "tests/test_trainer.py",
+                   "tests/test_platform.py", "tests/test_patches.py", "tests/proxy/test_proxy_layouts.py",
+                   "tests/proxy/test_proxy_dist.py", "tests/proxy/test_proxy_workers_guard.py",
+                   "tests/proxy/test_proxy_legacy.py", "tests/test_determinism.py", "tests/rl/test_rl_resume.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The expensive files first (see EXPENSIVE_FILES)."""
+    expensive_first(items, EXPENSIVE_FILES)
 
 
 def _state() -> dict:

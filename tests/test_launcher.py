@@ -88,3 +88,36 @@ def test_a_different_numeric_env_starts_fresh_interpreters(monkeypatch):
     forked = run_distributed(parent_pid, 1)[0]
     spawned = run_distributed(parent_pid, 1, env={"MKL_CBWR": "COMPATIBLE"})[0]
     assert forked != os.getpid() and spawned == os.getpid()
+
+
+SCRIPT = """
+import os, sys
+print("out", sys.argv[1:], os.environ.get("LAUNCHER_TEST_VALUE"), os.getcwd())
+print("err line", file=sys.stderr)
+sys.stdout.flush()
+os.write(1, b"raw fd write\\n")
+if sys.argv[1] == "raise":
+    raise ValueError("the script raised")
+sys.exit({"exit3": 3, "message": "a message", "none": None}[sys.argv[1]])
+"""
+
+
+@pytest.mark.parametrize("how", ["exit3", "message", "none", "raise"])
+def test_run_python_gives_what_a_new_interpreter_gives(tmp_path, monkeypatch, how):
+    """Same exit code, stdout and stderr as `subprocess.run([sys.executable, ...])`, as a script, -m and -c."""
+    import subprocess
+
+    from mindspeed_proxy.testing import run_python
+
+    (tmp_path / "script_under_test.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    env = {"LAUNCHER_TEST_VALUE": "v"}
+    for argv in (["script_under_test.py", how], ["-m", "script_under_test", how], ["-c", SCRIPT, how]):
+        fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, **env})
+        forked = run_python(argv, env=env, timeout=60)
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), argv
+        assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1], (forked.stderr, fresh.stderr)
+        assert {"exit3": 3, "message": 1, "none": 0, "raise": 1}[how] == forked.returncode
+        assert "launcher.py" not in forked.stderr  # the traceback starts at the command's own frames
+    assert os.environ.get("LAUNCHER_TEST_VALUE") is None

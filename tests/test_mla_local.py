@@ -1,4 +1,5 @@
-"""MLA on megatron-core's local spec without an accelerator (patches/mla_local.py), each case in a fresh interpreter.
+"""MLA on megatron-core's local spec without an accelerator (patches/mla_local.py), each case in its own process
+(run_python: forked from the launcher's fork server, nothing activated or patched before the case's code).
 
 - YaRN: on the CPU platform `YarnRotaryEmbedding` builds (it opened `with torch.device(current_device())`) and its
   embedding equals a float64 YaRN reference (DeepSeek-V2's formula, written out here).
@@ -7,18 +8,15 @@
   a float64 recomputation of MLA from the module's weights.
 """
 import subprocess
-import sys
 import textwrap
 
 from mindspeed_proxy.patches import mla_local, registry
+from mindspeed_proxy.testing import run_python
 
 
 def run_py(code: str) -> subprocess.CompletedProcess:
-    import os
-
-    env = {**os.environ, "MINDSPEED_PROXY_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=240, env=env)
+    return run_python(["-c", textwrap.dedent(code)], env={"MINDSPEED_PROXY_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},
+                      timeout=240)
 
 
 YARN = """

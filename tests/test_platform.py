@@ -1,22 +1,20 @@
-"""Platform selection and the transfer-to-CPU layer (each case in a fresh interpreter where it activates)."""
+"""Platform selection and the transfer-to-CPU layer (each case that activates runs in its own process: forked by
+run_python from the launcher's fork server, which imported torch and megatron-core and activated nothing)."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from mindspeed_proxy.testing import run_python
 
 
 PROBE = str(Path(__file__).with_name("numerics_probe.py"))
 
 
 def run_py(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env=full_env)
+    return run_python(["-c", code], env=env, timeout=180)
 
 
 def test_activate_is_idempotent_and_refuses_a_switch():
@@ -98,8 +96,7 @@ def test_layer_does_not_change_numerics():
     """What unpatched megatron-core can run on a CPU-only torch (the dense MLP) is bit-identical."""
     results = []
     for use_layer in ("0", "1"):
-        proc = subprocess.run([sys.executable, PROBE, use_layer, "0"], capture_output=True,
-                              text=True, timeout=180)
+        proc = run_python([PROBE, use_layer, "0"], timeout=180)
         assert proc.returncode == 0, proc.stderr
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert results[0] == results[1]
@@ -139,14 +136,11 @@ def test_registry_skips_a_row_written_for_other_megatron_lines():
 
 def test_device_contexts_still_work_under_the_cpu_layer():
     """`with torch.device("meta")` after the layer is installed (transformers' from_pretrained relies on it)."""
-    import subprocess
-    import sys
-
     code = ("import torch\nfrom mindspeed_proxy import platform\nplatform.activate('cpu')\n"
             "with torch.device('meta'):\n    t = torch.empty(3)\n    m = torch.nn.Linear(2, 2)\n"
             "assert t.is_meta and m.weight.is_meta, (t.device, m.weight.device)\n"
             "assert torch.empty(3, device='cuda').device.type == 'cpu'\nprint('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_py(code)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
-from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing import run_distributed, run_python
 from mindspeed_proxy.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,8 +102,11 @@ def test_bad_input_one_error_line_nothing_written(tmp_path, case):
         "not-a-dataset": ["--data-path", _garbage_dataset(tmp_path)],
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = subprocess.run([sys.executable, TRAIN, *flags, "--save", str(save)], cwd=work,
-                          capture_output=True, text=True, timeout=120)
+    if case == "ep-does-not-divide":  # a new interpreter: one error line also when its imports print warnings
+        proc = subprocess.run([sys.executable, TRAIN, *flags, "--save", str(save)], cwd=work,
+                              capture_output=True, text=True, timeout=120)
+    else:  # forked from the fork server (torch / megatron-core imported): ~6 CPU-s less
+        proc = run_python([TRAIN, *flags, "--save", str(save)], cwd=work, timeout=120)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("train_moe.py: error: "), proc.stderr

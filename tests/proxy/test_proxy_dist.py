@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing import run_distributed, run_python
 from mindspeed_proxy.training.loop import train
 
 from helpers import common_files, dist_common, model_flags, forward as _forward, load_model, mask_router as _mask_router  # noqa: E402,E501
@@ -34,13 +34,15 @@ def read_all(folder):
     return state
 
 
-def _convert(src, out, ep_dst, k, selection, seed=3, extra=()):
-    """Run convert_to_proxy.py in a subprocess (dist_checkpointing's writer spawns; keeps pytest clean)."""
-    run = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out,
-                          "--target-expert-parallel-size", str(ep_dst), "--target-num-experts", str(k),
-                          "--selection", selection, "--seed", str(seed), *extra],
-                         capture_output=True, text=True, timeout=300)
-    return run
+def _convert(src, out, ep_dst, k, selection, seed=3, extra=(), fresh=False):
+    """Run convert_to_proxy.py in its own process (dist_checkpointing's writer spawns; keeps pytest clean): forked
+    from the launcher's fork server (run_python), or with `fresh` a new interpreter, whose stderr also holds
+    whatever the imports print."""
+    argv = [str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out, "--target-expert-parallel-size",
+            str(ep_dst), "--target-num-experts", str(k), "--selection", selection, "--seed", str(seed), *extra]
+    if fresh:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
+    return run_python(argv, timeout=300)
 
 
 def _kept(out):
@@ -163,7 +165,7 @@ def test_dist_bad_input(dist_checkpoints, hash_folder, tmp_path, case):
         os.remove(os.path.join(folder, ".metadata"))
         fragment = "missing .metadata"
     before = hash_folder(root)
-    run = _convert(root, str(tmp_path / "out"), 1, 4, "cluster")
+    run = _convert(root, str(tmp_path / "out"), 1, 4, "cluster", fresh=True)
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert lines[0].startswith("convert_to_proxy.py: error: ") and fragment in lines[0], lines[0]

@@ -3,8 +3,6 @@ or a flipped byte is refused; the writers keep only the kept experts and drop th
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.core.errors import ConversionError
 from mindspeed_proxy.proxy.core.options import Options
 from mindspeed_proxy.proxy.plan import make_plan
+from mindspeed_proxy.testing import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,9 +84,8 @@ def test_dist_verification_refuses_wrong_expert_and_flipped_byte(dist_checkpoint
     from mindspeed_proxy.proxy.verify.dist import verify_dist
 
     src, out = dist_checkpoints("ep2_bias"), str(tmp_path / "proxy")
-    run = subprocess.run([sys.executable, str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out,
-                          "--target-expert-parallel-size", "1", "--target-num-experts", "4"],
-                         capture_output=True, text=True, timeout=300)
+    run = run_python([str(REPO / "convert_to_proxy.py"), "--load", src, "--save", out,
+                      "--target-expert-parallel-size", "1", "--target-num-experts", "4"], timeout=300)
     assert run.returncode == 0, run.stderr
     ckpt = DistCheckpoint(src)
     try:

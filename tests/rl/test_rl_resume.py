@@ -5,8 +5,6 @@ The router-noise fault starts after the resume point, so the uninterrupted run h
 """
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import pytest
 from mindspeed_proxy.monitor.state import KEY
 from mindspeed_proxy.rl.resume import LOOP, REFERENCE
 from mindspeed_proxy.rl.train import main
-from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.testing import run_distributed, run_python
 from test_rl_loop import MODEL
 
 STEPS, MID = 12, 6
@@ -77,9 +75,9 @@ def test_resumed_rl_run_repeats_the_uninterrupted_steps_and_alerts(tmp_path, fmt
         assert saved[LOOP]["step"] == STEPS and saved["checkpoint_parts_per_rank"]["names"] == [REFERENCE]
         # the converter keeps the model only: no loop, monitor or per-rank reference state in the proxy
         proxy = tmp_path / "proxy"
-        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "convert_to_proxy.py"),
-                              "--load", str(full / "ckpt"), "--save", str(proxy), "--target-num-experts", "4",
-                              "--target-expert-parallel-size", "1"], capture_output=True, text=True, timeout=600)
+        res = run_python([str(Path(__file__).resolve().parents[2] / "convert_to_proxy.py"), "--load",
+                          str(full / "ckpt"), "--save", str(proxy), "--target-num-experts", "4",
+                          "--target-expert-parallel-size", "1"], timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         common = _common(proxy, STEPS)
         assert not {KEY, LOOP, "checkpoint_parts_per_rank"} & set(common)
