@@ -1,7 +1,7 @@
 """examples/megatron_rl_faults.py, short: the whole pipeline (preprocess_data.py, pretrain_gpt.py SFT,
 convert_to_proxy.py, train_rl.py) with `rollout-router-noise` on the proxy (1 rank), without and with R3, for a few
-iterations. (On the 2-rank original, R3 under this fault stops at patches/rl_capture.py:106, "a training row
-matches no rollout the engine ran": docs/megatron_lm.md, section "Faults inside train_rl.py".)
+iterations. (On the 2-rank original, under this fault one training row in four matches no rollout the engine ran,
+so R3 leaves that pass unreplayed: docs/megatron_lm.md, section "Faults inside train_rl.py".)
 
 Checks the pipeline's structure, not the table's verdicts (too few iterations for the detectors' warm-up): the
 noise acts from its onset in the rollout passes only, so the rl family's any-layer expert mismatch between the
