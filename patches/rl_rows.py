@@ -42,18 +42,21 @@ def _phase(name: str):
 
 
 def inference_mode_wrapper(original):
-    """Wrap Megatron-LM's megatron_rl_inference_mode: phase "rollout" and a fresh rollout table inside."""
+    """Wrap Megatron-LM's megatron_rl_inference_mode: phase "rollout" and a fresh rollout table around all of it.
+
+    The phase spans the original's entry and exit too: a rank other than 0 yields at once and its engine serves
+    its share of the requests inside the exit's `inference_interface.suspend()`."""
 
     @functools.wraps(original)
     @contextlib.contextmanager
     def megatron_rl_inference_mode(*args, **kwargs):
-        with original(*args, **kwargs) as interface:
-            CAPTURE.rollout = type(CAPTURE.rollout)()
-            with _phase("rollout"):
-                try:
+        CAPTURE.rollout = type(CAPTURE.rollout)()
+        with _phase("rollout"):
+            try:
+                with original(*args, **kwargs) as interface:
                     yield interface
-                finally:
-                    CAPTURE.context = None
+            finally:
+                CAPTURE.context = None
 
     return megatron_rl_inference_mode
 

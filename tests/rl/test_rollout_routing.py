@@ -163,3 +163,47 @@ def test_r3_routes_a_pass_without_replay_when_a_row_matches_no_rollout(monkeypat
     assert [r.getMessage() for r in caplog.records].count(
         "mindspeed-proxy: R3: 1 of 2 training rows match no rollout the engine ran (their tokens start no recorded "
         "request); that pass routes without replay (counted in r3_unreplayed_passes; logged once)") == 1
+
+
+def test_rollout_phase_spans_the_engine_work_inside_the_exit(monkeypatch):
+    """A rank other than 0 yields at once from Megatron-LM's megatron_rl_inference_mode and its engine serves its
+    requests inside the exit's `suspend()`: the wrapped context keeps RUNTIME.phase "rollout" (and the fresh rollout
+    table) there too, restores the phase after, and also when the body raises."""
+    import contextlib
+
+    from mindspeed_proxy.patches.rl_capture import CAPTURE
+    from mindspeed_proxy.patches.rl_rows import inference_mode_wrapper
+    from mindspeed_proxy.patches.runtime import RUNTIME
+
+    seen = []
+
+    @contextlib.contextmanager
+    def megatron_rl_inference_mode(model):  # Megatron-LM's shape: resume, yield, then suspend (engine steps)
+        seen.append(("resume", RUNTIME.phase))
+        yield "interface"
+        seen.append(("suspend", RUNTIME.phase))
+        CAPTURE.rollout.record(1, torch.tensor([3]), torch.tensor([0]), torch.tensor([9]), torch.tensor([[0, 1]]))
+
+    monkeypatch.setattr(RUNTIME, "phase", "train")
+    monkeypatch.setattr(CAPTURE, "rollout", RolloutRouting())
+    CAPTURE.rollout.record(1, torch.tensor([7]), torch.tensor([0]), torch.tensor([4]), torch.tensor([[2, 3]]))
+    wrapped = inference_mode_wrapper(megatron_rl_inference_mode)
+    with wrapped(["model"]) as interface:  # rank 1: nothing in the body
+        assert interface == "interface" and RUNTIME.phase == "rollout"
+    assert seen == [("resume", "rollout"), ("suspend", "rollout")] and RUNTIME.phase == "train"
+    assert list(CAPTURE.rollout.requests) == [(0, 3)]  # a fresh table, filled inside the exit
+    with pytest.raises(ValueError):
+        with wrapped(["model"]):
+            raise ValueError("the body failed")
+    assert RUNTIME.phase == "train" and CAPTURE.context is None
+
+
+@pytest.mark.skipif(not MLM, reason="MEGATRON_LM_PATH is not set: the context manager is read from a checkout")
+def test_checkout_inference_mode_suspends_the_engine_after_its_yield():
+    """The shape the phase test above stands in for: the checkout's megatron_rl_inference_mode runs
+    `inference_interface.suspend()` after its `yield`, and rank 0 alone drives the rollout generator in the body."""
+    source = (Path(MLM) / "megatron/rl/rl_utils.py").read_text()
+    body = source[source.index("def megatron_rl_inference_mode("):]
+    assert body.index("yield inference_interface") < body.index("inference_interface.suspend()")
+    assert "if rank == 0:" in source[source.index("def get_environment_rollouts("):source.index(
+        "def megatron_rl_inference_mode(")]
