@@ -54,13 +54,13 @@ RL = ["--bf16", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", 
       "--inference-dynamic-batching-buffer-size-gb", "0.02", "--inference-dynamic-batching-max-requests", "16",
       "--inference-dynamic-batching-max-tokens", "512", "--enable-mechanism-monitor",
       "--mechanism-monitor-interval", "1", "--mechanism-monitor-delta", "1"]
-RUN_NAMES = ("healthy", "noise-original", "noise-proxy", "noise-original-r3", "noise-proxy-r3",
+RUN_NAMES = ("healthy", "healthy-proxy", "noise-original", "noise-proxy", "noise-original-r3", "noise-proxy-r3",
              "lr-original", "lr-proxy", "lr-original-r3", "lr-proxy-r3")
 
 
 def fault_runs(noise: str, lr: str) -> dict[str, FaultRun]:
     """The table's runs by name."""
-    runs = {"healthy": FaultRun("healthy", "original")}
+    runs = {"healthy": FaultRun("healthy", "original"), "healthy-proxy": FaultRun("healthy-proxy", "proxy")}
     for short, spec in (("noise", noise), ("lr", lr)):
         for model in ("original", "proxy"):
             for r3 in (False, True):
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH"), help="the checkout (core_v0.16)")
     p.add_argument("--runs", default=",".join(RUN_NAMES),
                    help=f"comma-separated subset of {', '.join(RUN_NAMES)}, in order (the alerts of a faulted run "
-                        "listed after healthy that the healthy run also raised are not counted)")
+                        "listed after its model's healthy run that the healthy run also raised are not counted)")
     p.add_argument("--sft-iters", type=int, default=800)  # the defaults are the docs table's settings
     p.add_argument("--sft-docs", type=int, default=20000)
     p.add_argument("--sft-seed", type=int, default=7)
@@ -227,15 +227,16 @@ def main(argv=None) -> int:
     with open(os.path.join(work, "digits.yaml"), "w", encoding="utf-8") as fh:
         yaml.safe_dump(env_config("reverse", a.partial_credit, a.seed), fh)
     proxy = convert(work, ckpt, env, say) if any(runs[n].model == "proxy" for n in names) else None
-    rows, healthy = [], None
+    rows, healthy = [], {}
     for name in names:
-        extra = launch(a, work, mlm, env, runs[name], proxy, say)
+        spec = runs[name]
+        extra = launch(a, work, mlm, env, spec, proxy, say)
         folder = os.path.join(work, name)
         summary = summarize(os.path.join(folder, "monitor", "monitor.jsonl"),
-                            rollout_rewards(os.path.join(folder, "langrl")), a.onset, healthy)
-        if name == "healthy":  # the faulted runs' alerts are compared with its alerts
-            healthy = [r for r in read_jsonl(os.path.join(folder, "monitor", "monitor.jsonl"))
-                       if r.get("type") == "alert"]
+                            rollout_rewards(os.path.join(folder, "langrl")), a.onset, healthy.get(spec.model))
+        if spec.fault is None:  # the same model's faulted runs' alerts are compared with its alerts
+            healthy[spec.model] = [r for r in read_jsonl(os.path.join(folder, "monitor", "monitor.jsonl"))
+                                   if r.get("type") == "alert"]
         summary["error"] = extra.get("error")
         rows.append((runs[name], summary, extra))
     text = table(rows, a.onset)

@@ -46,6 +46,7 @@ class Capture:
         self.warned: set = set()
         self.failed = False
         self.r3_unreplayed_passes = 0  # forwards under R3 with a row no rollout starts: routed without replay
+        self.duplicates: Optional[float] = None  # share of the update's samples repeating one of their group
 
     def active(self) -> bool:
         """Whether anything wants the capture: the monitor or R3."""
@@ -97,6 +98,23 @@ class Capture:
         self.in_update, self.passes, self.aligned = True, 0, None
         self.rows, self.entropy, self.train_routing = [], [], TrainRouting()
         self.table = None if sequence_packing else self.rollout.gather()
+
+    def on_rollouts(self, rollouts) -> None:
+        """The update's grouped rollouts (every rank has all of them): the share of repeated samples per group."""
+        from mindspeed_proxy.rl.stats import duplicate_share
+
+        try:
+            groups = [[repr(getattr(r, "trajectory", r)) for r in group] for group in rollouts or []]
+            self.duplicates = duplicate_share(groups)
+        except Exception:  # a rollout layout we do not read: no share
+            self.duplicates = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.duplicates and world > 1:
+            self.warn("duplicates", f"rl family: {self.duplicates:.0%} of this update's samples repeat another sample "
+                                    "of their group (logged as duplicate_share). On several data-parallel engines that "
+                                    "sample with one seed (Megatron-LM before core_v0.19: inference_sampling_seed = "
+                                    "--seed on every rank) each rank draws the same tokens for the same prompt; a "
+                                    "low-entropy policy repeats itself too (logged once)")
 
     def replay_indices(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """[L, S·B, k] rollout experts for a forward over `tokens` [B, S] under R3, else None."""
@@ -172,7 +190,7 @@ class Capture:
             RUNTIME.current_step(), on(rollout_lp), on(old_lp), on(mask), on(routed) if with_routing else None,
             train_routed_experts=on(train_idx) if with_routing else None,
             entropy=on(entropy) if usable[0] >= 1 else None,
-            routed_positions=on(positions) if with_routing else None, **gap)
+            routed_positions=on(positions) if with_routing else None, duplicate_share=self.duplicates, **gap)
         return self.last_record
 
 

@@ -83,6 +83,7 @@ def prepare_wrapper(original):
             return original(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
         CAPTURE.begin_update(bool(bound.get("sequence_packing", False)))
+        CAPTURE.on_rollouts(bound.get("rollouts"))
         try:
             result = original(*args, **kwargs)
         finally:

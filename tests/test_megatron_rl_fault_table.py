@@ -17,10 +17,12 @@ def _pickle(path, rewards):
     path.write_bytes(pickle.dumps([[SimpleNamespace(reward=r) for r in group] for group in rewards]))
 
 
-def _monitor(path, mismatch: dict, alerts: list):
+def _monitor(path, mismatch: dict, alerts: list, repeats: dict | None = None):
     records = [{"type": "config", "num_experts": 8}]
     records += [{"type": "sample", "family": "rl", "step": s,
-                 "layers": {"all": {"any_layer_mismatch": v}, "0": {"topk_match": 1 - v}}} for s, v in mismatch.items()]
+                 "layers": {"all": {"any_layer_mismatch": v, **({"duplicate_share": repeats[s]} if s in (repeats or {})
+                                                               else {})}, "0": {"topk_match": 1 - v}}}
+                for s, v in mismatch.items()]
     records += [{"type": "sample", "family": "update-spectral", "step": s, "layers": {}} for s in mismatch]
     records += [{"type": "alert", "step": s, "family": f, "metric": m, "layer": layer, "mechanism": mech}
                 for s, f, m, layer, mech in alerts]
@@ -44,8 +46,9 @@ def test_summary_of_a_faulted_run(tmp_path):
     alerts = [(3, "attention-spectral", "delta2/entropy", 1, "attention drift"),
               (7, "update-spectral", "entropy", 0, "update: something"),
               (6, "rl", "any_layer_mismatch", None, "routing-mismatch: the training pass routes ...")]
-    _monitor(tmp_path / "monitor.jsonl", mismatch, alerts)
+    _monitor(tmp_path / "monitor.jsonl", mismatch, alerts, repeats={1: 0.5, 2: 0.25})  # steps 3.. log none
     s = summarize(tmp_path / "monitor.jsonl", rewards, ONSET)
+    assert s["duplicate_share"] == pytest.approx(0.375)
     assert s["alerts"] == 3 and s["early_alerts"] == 1 and s["routing_alerts"] == 1
     assert s["first"]["step"] == 6 and s["first_routing"]["family"] == "rl"
     assert s["mismatch_before"] == 0.0
@@ -63,7 +66,7 @@ def test_summary_of_a_faulted_run(tmp_path):
     row = text.splitlines()[2]
     assert row.startswith("| noise-original | original (2) | rollout-router-noise:start=5,std=0.5 | off | "
                           "6: rl/any_layer_mismatch (routing-mismatch) | 0 | 6 (rl/any_layer_mismatch) | 1 | 0.0000 / 0.3500 (0.6000) | "
-                          "0.800 / 0.320 | yes, at 10 | routing-mismatch alert | MISS: 1 alert(s) before the onset")
+                          "0.800 / 0.320 | yes, at 10 | 0.38 | routing-mismatch alert | MISS: 1 alert(s) before the onset")
     assert row.endswith("| 123 |")
 
 

@@ -74,8 +74,9 @@ def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int], he
     metric and layer) is not counted as the fault's (it is counted in `healthy_like`)."""
     records = read_jsonl(monitor_jsonl) if Path(monitor_jsonl).is_file() else []  # a run that failed early
     alerts = sorted((r for r in records if r.get("type") == "alert"), key=lambda a: a["step"])
-    mismatch = {r["step"]: float(r["layers"]["all"]["any_layer_mismatch"]) for r in records
-                if r.get("type") == "sample" and r.get("family") == "rl"}
+    rl = [r for r in records if r.get("type") == "sample" and r.get("family") == "rl"]
+    mismatch = {r["step"]: float(r["layers"]["all"]["any_layer_mismatch"]) for r in rl}
+    repeats = [float(r["layers"]["all"]["duplicate_share"]) for r in rl if "duplicate_share" in r["layers"]["all"]]
     cut = onset if onset is not None else max(mismatch, default=0) + 1
     before = [v for s, v in mismatch.items() if s < cut]
     after = [v for s, v in mismatch.items() if s >= cut]
@@ -93,7 +94,7 @@ def summarize(monitor_jsonl, rewards: dict[int, float], onset: Optional[int], he
             "routing_alerts": len(routing),
             "mismatch_before": _mean(before), "mismatch_after": _mean(after),
             "mismatch_after_max": max(after) if after else None,
-            "reward_before": _mean(pre), "reward_end": _mean(tail),
+            "reward_before": _mean(pre), "reward_end": _mean(tail), "duplicate_share": _mean(repeats),
             "collapse": collapse_step(rewards, onset, **COLLAPSE)}
 
 
@@ -145,8 +146,8 @@ def table(rows: list[tuple[FaultRun, dict, dict]], onset: Optional[int]) -> str:
     lines = [f"| run | model (ranks) | fault (onset {onset}) | R3 | first alert from the onset, unlike the healthy "
              "run's: step: family/metric (mechanism) | alerts like the healthy run's | first routing-mismatch alert "
              "| alerts before onset | any-layer mismatch before / from onset (max) | reward before onset / last 5 "
-             "| reward collapses | expected | verdict | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| reward collapses | repeated samples in a group (mean) | expected | verdict | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run, s, extra in rows:
         collapse = "no" if s["collapse"] is None else f"yes, at {s['collapse']}"
         lines.append(
@@ -154,5 +155,5 @@ def table(rows: list[tuple[FaultRun, dict, dict]], onset: Optional[int]) -> str:
             f"{_alert_cell(s['first'])} | {s.get('healthy_like', 0)} | {_step(s['first_routing'])} | "
             f"{s['early_alerts']} | {_num(s['mismatch_before'], 4)} / {_num(s['mismatch_after'], 4)} "
             f"({_num(s['mismatch_after_max'], 4)}) | {_num(s['reward_before'])} / {_num(s['reward_end'])} | "
-            f"{collapse} | {run.expectation()} | {verdict(run, s)} | {extra['wall_s']:.0f} |")
+            f"{collapse} | {_num(s.get('duplicate_share'), 2)} | {run.expectation()} | {verdict(run, s)} | {extra['wall_s']:.0f} |")
     return "\n".join(lines)

@@ -30,7 +30,8 @@ def engine_to_megatron(routed: torch.Tensor) -> torch.Tensor:
 def rl_family(record: dict) -> dict:
     """The rl family's sample of one step record: {metric: {layer or None: value}} (the keys it has)."""
     family = {k: dict(enumerate(record[k])) for k in ("topk_match", "load_drift") if k in record}
-    family.update({k: {None: record[k]} for k in ("any_layer_mismatch", "entropy", "mismatch_k3_kl") if k in record})
+    family.update({k: {None: record[k]} for k in ("any_layer_mismatch", "entropy", "mismatch_k3_kl", "duplicate_share")
+                   if k in record})
     return {**family, **G.gap_family(record)}
 
 
@@ -48,18 +49,21 @@ class RolloutObserver:
                 train_routed_experts: Optional[torch.Tensor] = None, routed_probs: Optional[torch.Tensor] = None,
                 model=None, input_ids: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
                 temperature: float = 1.0, micro_batch: Optional[int] = None, replays_rollout_experts: bool = False,
-                routed_positions: Optional[torch.Tensor] = None) -> dict:
+                routed_positions: Optional[torch.Tensor] = None, duplicate_share: Optional[float] = None) -> dict:
         """Reduce one step's diagnostics over the data-parallel group, feed the rl family, return the record.
 
         rollout_logprobs / old_logprobs / response_mask / entropy: [B, T]; routed_experts, train_routed_experts
         (the training pass's), routed_probs: [B, S, L, k]; model + input_ids [B, S] + routed_probs: the gap
         decomposition (`replays_rollout_experts`: the training passes replay the rollout's experts, R3);
         routed_positions [B, S] bool: the positions whose experts are compared (default: the prompt, left-padded
-        to S - T, and the inputs of the generated tokens)."""
+        to S - T, and the inputs of the generated tokens); duplicate_share: the share of the update's samples that
+        repeat one of their group (the same on every rank: logged as given)."""
         mask = response_mask.float()
         rollout_idx = engine_to_megatron(routed_experts) if routed_experts is not None else None
         train_idx = engine_to_megatron(train_routed_experts) if train_routed_experts is not None else None
         record: dict = {"type": "step", "iteration": step}
+        if duplicate_share is not None:
+            record["duplicate_share"] = float(duplicate_share)
         if model is not None and rollout_idx is not None and step % self.gap_interval == 0:
             if routed_probs is None or input_ids is None:
                 raise ValueError("the gap decomposition needs input_ids and routed_probs with the model")

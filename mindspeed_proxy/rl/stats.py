@@ -171,3 +171,16 @@ def expert_load(routing: torch.Tensor, mask: torch.Tensor, num_experts: int) -> 
     picked = routing[:, mask].reshape(routing.shape[0], -1).long()
     load = torch.zeros(routing.shape[0], num_experts, dtype=torch.float64)
     return load.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.float64))
+
+
+def duplicate_share(groups) -> Optional[float]:
+    """Share of the samples that repeat an earlier sample of their group (`groups`: lists of hashable samples);
+    None for no samples. Identical samples of one prompt carry no extra GRPO signal."""
+    total = repeats = 0
+    for group in groups:
+        seen: set = set()
+        for sample in group:
+            total += 1
+            repeats += sample in seen
+            seen.add(sample)
+    return repeats / total if total else None

@@ -207,3 +207,51 @@ def test_checkout_inference_mode_suspends_the_engine_after_its_yield():
     assert body.index("yield inference_interface") < body.index("inference_interface.suspend()")
     assert "if rank == 0:" in source[source.index("def get_environment_rollouts("):source.index(
         "def megatron_rl_inference_mode(")]
+
+
+def test_duplicate_share_counts_repeats_within_groups_only():
+    """duplicate_share against a count of repeats per group on random groups; equal samples in different groups are
+    not repeats; the capture reads Megatron-LM's rollouts by their trajectory and logs the share once with DP > 1."""
+    import collections
+    import random
+
+    from mindspeed_proxy.rl.stats import duplicate_share
+
+    rng = random.Random(3)
+    groups = [[tuple(rng.choice([(1, 2), (1, 3), (2, 2)]) for _ in range(rng.randint(1, 3)))
+               for _ in range(rng.randint(1, 6))] for _ in range(50)]
+    total = sum(len(g) for g in groups)
+    repeats = sum(c - 1 for g in groups for c in collections.Counter(g).values())
+    assert duplicate_share(groups) == repeats / total and 0 < repeats < total
+    assert duplicate_share([["a", "b"], ["a", "b"]]) == 0.0 and duplicate_share([]) is None
+    assert duplicate_share([["a", "a", "b", "b"]]) == 0.5  # two data-parallel engines drawing the same pairs
+
+    from mindspeed_proxy.patches.rl_capture import Capture
+
+    class Rollout:  # Megatron-LM's TokenRollout carries trajectory: list[list[int]]
+        def __init__(self, trajectory):
+            self.trajectory = trajectory
+
+    capture = Capture()
+    capture.on_rollouts([[Rollout([[1, 2, 3]]), Rollout([[1, 2, 3]]), Rollout([[1, 2, 4]]), Rollout([[1, 2, 4]])],
+                         [Rollout([[5, 6]]), Rollout([[5, 7]]), Rollout([[5, 6]]), Rollout([[5, 8]])]])
+    assert capture.duplicates == 3 / 8
+    capture.on_rollouts(None)
+    assert capture.duplicates is None
+
+
+def test_duplicate_share_reaches_the_rl_record_and_the_family(tmp_path):
+    """The observer logs the share it is given in the step record and the rl family's sample."""
+    import torch.distributed as dist
+
+    from mindspeed_proxy.rl.observe import RolloutObserver, rl_family
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        logp = torch.full((2, 3), -1.0)
+        record = RolloutObserver().observe(1, logp, logp, torch.ones(2, 3), duplicate_share=0.25)
+        assert record["duplicate_share"] == 0.25 and rl_family(record)["duplicate_share"] == {None: 0.25}
+        assert "duplicate_share" not in RolloutObserver().observe(2, logp, logp, torch.ones(2, 3))
+    finally:
+        dist.destroy_process_group()
