@@ -26,7 +26,10 @@ def apply_from_argv(argv: list[str]) -> None:
     patches.apply(config, enable_monitor=flags.enable_mechanism_monitor, faults=flags.inject_fault)
     from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
 
+    from mindspeed_proxy.patches.rl_sampling_seed import apply_sampling_seed
+
     apply_routing_replay(flags)  # again on Megatron-LM's parsed args (patched parse_args)
+    apply_sampling_seed(flags)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -127,8 +127,10 @@ def parse_args_wrapper(original):
             return add_monitor_arguments(parser)
         args = original(extra_args_provider=provider, ignore_unknown_args=ignore_unknown_args)
         from mindspeed_proxy.patches.rl_replay_args import apply_routing_replay
+        from mindspeed_proxy.patches.rl_sampling_seed import apply_sampling_seed
 
         apply_routing_replay(args)
+        apply_sampling_seed(args)
         return args
 
     return parse_args
@@ -173,3 +175,6 @@ def register_all() -> None:
     from mindspeed_proxy.patches import rl_rows
 
     rl_rows.register_all()  # Megatron-LM's RL loop: the rl family and R3
+    from mindspeed_proxy.patches import rl_sampling_seed
+
+    rl_sampling_seed.register_all()  # opt-in: one sampling seed per data-parallel engine (0.16-0.18)

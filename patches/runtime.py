@@ -21,6 +21,7 @@ class MonitorRuntime:
         self.mindspeed_manager = None  # MindSpeed's patch manager when our rows went through it
         self.routing_replay = "off"  # --mechanism-routing-replay: "r3" replays the rollout's experts (rl_rows.py)
         self.rl_gap_interval, self.rl_gap_samples = 0, 8  # --mechanism-monitor-rl-gap-*: train_rl.py's gap
+        self.offset_sampling_seed = False  # --mechanism-offset-sampling-seed-by-dp-rank (rl_sampling_seed.py)
 
     def current_step(self) -> int:
         """1-based number of the optimizer step in progress (or just finished, inside its step()).

@@ -31,6 +31,10 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--mechanism-routing-replay", choices=["off", "r3"], default="off",
                        help="r3: Megatron-LM train_rl.py replays the experts its inference engine chose at rollout "
                             "in every training-side pass (megatron-core RouterReplay; docs/megatron_lm.md)")
+    group.add_argument("--mechanism-offset-sampling-seed-by-dp-rank", action="store_true", default=False,
+                       help="Megatron-LM train_rl.py on megatron-core 0.16-0.18: seed each data-parallel engine's "
+                            "sampler with --seed + its data-parallel rank, as core_v0.19 does by default (else two "
+                            "engines draw the same samples for the same prompt; docs/megatron_lm.md)")
     group.add_argument("--mechanism-monitor-rl-gap-interval", type=int, default=0, metavar="N",
                        help="Megatron-LM train_rl.py: every N-th rollout collection also split the train-rollout "
                             "logprob gap into expert flips, routing weights and the rest (3 extra no-grad forwards "

@@ -114,6 +114,9 @@ def validate_static(args: argparse.Namespace) -> None:
     if getattr(args, "mechanism_monitor_rl_gap_interval", 0):
         raise ArgumentError("--mechanism-monitor-rl-gap-interval is for Megatron-LM's train_rl.py; this loop "
                             "decomposes the gap with --rl-gap-interval")
+    if getattr(args, "mechanism_offset_sampling_seed_by_dp_rank", False):
+        raise ArgumentError("--mechanism-offset-sampling-seed-by-dp-rank is for Megatron-LM's train_rl.py (its "
+                            "dynamic engines); this loop draws distinct random numbers for every sample")
     if args.num_experts and args.num_experts % args.expert_model_parallel_size:
         raise ArgumentError(
             f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
