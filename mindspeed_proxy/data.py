@@ -36,8 +36,8 @@ from megatron.core.datasets.indexed_dataset import (
 )
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-EOD_ID = 256
-BYTE_VOCAB_SIZE = 257  # 256 byte values + EOD
+from mindspeed_proxy.byte_vocab import BYTE_VOCAB_SIZE, EOD_ID
+
 CORPUS_FORMAT_VERSION = 1
 CORPUS_MAX_BYTES = 4 * 1024 * 1024  # total source bytes in the default corpus
 CORPUS_MAX_FILE_BYTES = 256 * 1024  # files above this (generated data tables) are skipped

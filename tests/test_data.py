@@ -1,11 +1,7 @@
 """Tests for mindspeed_proxy.data (byte tokenizer, stdlib default corpus, megatron GPTDataset)."""
 
-import json
 import os
-import subprocess
-import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import numpy
@@ -13,6 +9,7 @@ import pytest
 import torch
 
 from mindspeed_proxy import data as D
+from mindspeed_proxy.testing import run_distributed
 
 SEQ = 64
 
@@ -168,37 +165,19 @@ def test_validate_data_prefix_errors(tmp_path, prefix):
         D.build_gpt_datasets(missing, SEQ, seed=0, num_train_samples=4, cache_dir=str(tmp_path))
 
 
-_WORKER = textwrap.dedent("""
-    import json, sys, torch
-    from mindspeed_proxy import data as D
-    rank, cache, out, store = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    # file rendezvous: no TCP port to race for with tests running beside this one (pytest-xdist)
-    torch.distributed.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    prefix = D.default_corpus_prefix(cache)  # both ranks race to build the corpus
+def _build_in_group(cache: str) -> dict:
+    """On each gloo rank: both ranks race to build the corpus, then read the same samples."""
+    prefix = D.default_corpus_prefix(cache)
     train, valid = D.build_gpt_datasets(prefix, 32, seed=7, num_train_samples=40,
                                         num_valid_samples=4, cache_dir=cache)
     batch = D.get_batch(train, range(6))
     torch.distributed.barrier()
-    json.dump({"prefix": prefix, "len": [len(train), len(valid)],
-               "tokens": batch["tokens"].tolist()}, open(out, "w"))
-    torch.distributed.destroy_process_group()
-""")
+    return {"prefix": prefix, "len": [len(train), len(valid)], "tokens": batch["tokens"].tolist()}
 
 
 def test_inside_gloo_group(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(cache), str(tmp_path / f"r{r}.json"),
-                               str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    finally:  # a rank left waiting for a failed peer must not outlive the test
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_distributed(_build_in_group, 2, str(cache))  # two processes forked from the fork server
     assert r0 == r1
     assert len(list(cache.glob("corpus-*"))) == 1
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]

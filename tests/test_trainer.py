@@ -24,10 +24,30 @@ def steps(log_dir):
     return {r["iteration"]: r for r in records[1:]}
 
 
-def test_loss_decreases_on_embedded_corpus(tmp_path):
-    run_distributed(train, 2, SMALL + ["--expert-model-parallel-size", "2", "--train-iters", "20",
-                                       "--log-dir", str(tmp_path)])
-    log = steps(tmp_path)
+def _resume_args(fmt, dist_opt):
+    extra = SMALL + ["--expert-model-parallel-size", "2", "--ckpt-format", fmt, "--train-iters", "20"]
+    return extra + (["--use-distributed-optimizer"] if dist_opt else [])
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """full_runs(fmt, dist_opt) -> folder of an uninterrupted 20-step run saved at 10 and 20 (run once)."""
+    done = {}
+
+    def get(fmt, dist_opt):
+        if (fmt, dist_opt) not in done:
+            full = tmp_path_factory.mktemp(f"full-{fmt}-{int(dist_opt)}")
+            run_distributed(train, 2, _resume_args(fmt, dist_opt) + ["--save", str(full), "--save-interval", "10",
+                                                                     "--log-dir", str(full / "logs")])
+            done[fmt, dist_opt] = full
+        return done[fmt, dist_opt]
+
+    return get
+
+
+def test_loss_decreases_on_embedded_corpus(full_runs):
+    """The trainer's defaults on the embedded corpus (the legacy-format resume test's uninterrupted run)."""
+    log = steps(full_runs("torch", False) / "logs")
     assert sorted(log) == list(range(1, 21))
     for record in log.values():
         assert {"iteration", "loss", "grad_norm", "lr", "tokens_per_s"} <= set(record)
@@ -38,16 +58,13 @@ def test_loss_decreases_on_embedded_corpus(tmp_path):
 
 @pytest.mark.parametrize("fmt,dist_opt", [("torch", False), ("torch", True), ("torch_dist", True),
                                           ("torch_dist", False)])
-def test_resume_equals_uninterrupted(tmp_path, fmt, dist_opt):
-    extra = SMALL + ["--expert-model-parallel-size", "2", "--ckpt-format", fmt, "--train-iters", "20"]
-    extra += ["--use-distributed-optimizer"] if dist_opt else []
-    full = tmp_path / "full"
-    run_distributed(train, 2, extra + ["--save", str(full), "--save-interval", "10",
-                                       "--log-dir", str(full / "logs")])
+def test_resume_equals_uninterrupted(tmp_path, full_runs, fmt, dist_opt):
+    full = full_runs(fmt, dist_opt)
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("iter_0000020", "logs"))
     (resumed / "latest_checkpointed_iteration.txt").write_text("10")
-    run_distributed(train, 2, extra + ["--load", str(resumed), "--log-dir", str(resumed / "logs")])
+    run_distributed(train, 2, _resume_args(fmt, dist_opt) + ["--load", str(resumed),
+                                                             "--log-dir", str(resumed / "logs")])
     a, b = steps(full / "logs"), steps(resumed / "logs")
     assert sorted(b) == list(range(11, 21))
     for it in range(11, 21):  # fp32 and a deterministic data order: bit-identical

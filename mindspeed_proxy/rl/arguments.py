@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from mindspeed_proxy.rl.aggregation import AGGREGATIONS, GSPO_AGGREGATION
 from mindspeed_proxy.rl.correction import LEVELS, Correction
 from mindspeed_proxy.rl.losses import KL_ESTIMATORS
 from mindspeed_proxy.rl.replay import MODES
 from mindspeed_proxy.rl.tasks import TASKS, build_task
-from mindspeed_proxy.rl.update import GRPOConfig
 from mindspeed_proxy.training import arguments as A
+
+if TYPE_CHECKING:
+    from mindspeed_proxy.rl.update import GRPOConfig
 
 ArgumentError = A.ArgumentError
 
@@ -217,6 +220,8 @@ def correction(args: argparse.Namespace) -> Correction:
 
 def grpo_config(args: argparse.Namespace) -> GRPOConfig:
     """The GRPOConfig described by `args`."""
+    from mindspeed_proxy.rl.update import GRPOConfig  # the update imports megatron-core: not for parsing
+
     return GRPOConfig(
         group_size=args.grpo_group_size, prompts_per_step=args.grpo_prompts_per_step, iterations=args.grpo_iterations,
         clamp_eps_lower=args.grpo_clamp_eps_lower, clamp_eps_upper=args.grpo_clamp_eps_upper,

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from mindspeed_proxy.data import EOD_ID
+from mindspeed_proxy.byte_vocab import EOD_ID
 from mindspeed_proxy.rl import replay
 from mindspeed_proxy.rl.tasks import PAD_ID
 

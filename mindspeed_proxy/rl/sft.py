@@ -19,17 +19,18 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.rl.train import quiet_optional_kernels
 
     quiet_optional_kernels()
+    from mindspeed_proxy.rl.train import setup
+
+    args, task, trainer, _ = setup(argv, prog, rl=False)  # first: bad flags exit before megatron-core is imported
     from mindspeed_proxy.rl.rollout import data_parallel_slice, evaluate
     from mindspeed_proxy.rl.sampler import Sampler, SamplingParams
     from mindspeed_proxy.rl.tasks import sft_batch, step_prompts
     from mindspeed_proxy.patches.runtime import phase
-    from mindspeed_proxy.rl.train import setup
     from mindspeed_proxy.training import checkpointing as C
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir, stop_nonfinite
 
-    args, task, trainer, _ = setup(argv, prog, rl=False)
     rank0 = torch.distributed.get_rank() == 0
     metrics = MetricsWriter(resolve_log_dir(args), args, enabled=rank0)
     mbs = args.micro_batch_size

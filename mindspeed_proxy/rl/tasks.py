@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from mindspeed_proxy.data import EOD_ID
+from mindspeed_proxy.byte_vocab import EOD_ID
 
 PAD_ID = 257  # inside TinyMoEConfig's vocabulary (264), outside the byte range
 

@@ -247,6 +247,7 @@ def write_usage(path: str, model, usage: torch.Tensor) -> None:
 def main(argv=None, prog: str = PROG) -> int:
     """Run GRPO with Megatron-LM style `argv`; returns 0, exits 2 on bad input before anything starts."""
     quiet_optional_kernels()
+    args, task, trainer, faults = setup(argv, prog)  # first: bad flags exit before megatron-core is imported
     from mindspeed_proxy.patches.runtime import RUNTIME
     from mindspeed_proxy.rl.arguments import grpo_config
     from mindspeed_proxy.rl import resume
@@ -258,7 +259,6 @@ def main(argv=None, prog: str = PROG) -> int:
     from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.loop import MetricsWriter, finish_distributed, resolve_log_dir
 
-    args, task, trainer, faults = setup(argv, prog)
     rank0 = torch.distributed.get_rank() == 0
     engine = GRPOEngine(trainer, grpo_config(args))
     sampler = Sampler(engine.model, SamplingParams(args.rl_default_temperature, args.rl_default_top_p,

@@ -139,7 +139,6 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     parser = A.build_parser(prog)
     args = parser.parse_args(argv)
-    from mindspeed_proxy import data
     from mindspeed_proxy.training import checkpointing as C
     from mindspeed_proxy.training import writers as W
     from mindspeed_proxy.training.engine import Trainer, microbatch_sample_ids
@@ -149,6 +148,8 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         A.check_finite(parser, args)
         A.validate_static(args)
         if args.data_path:
+            from mindspeed_proxy import data  # imports megatron-core: after the flags are checked
+
             data.validate_data_prefix(args.data_path)
         W.check_available(args.tensorboard_dir)
         load_format = C.checkpoint_format(args.load) if args.load else None
@@ -170,6 +171,8 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     except A.ArgumentError as exc:
         _fail(prog, str(exc))
     rank0 = torch.distributed.get_rank() == 0
+    from mindspeed_proxy import data
+
     prefix = args.data_path or data.default_corpus_prefix(args.data_cache_path)
     train_ds, _ = data.build_gpt_datasets(prefix, args.seq_length, args.seed,
                                           args.train_iters * args.global_batch_size,
