@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -79,13 +80,25 @@ def child_env() -> dict:
     return {**os.environ, **PINNED_ENV, "PATH": path, "PYTHONPATH": pythonpath}
 
 
-def run(cmd: list[str], log: str, cwd: str, env: dict, check: bool = True) -> tuple[float, int]:
-    """Run `cmd` with its output in `log`; with `check`, exits naming the log on failure; (wall seconds, rc)."""
+TIMED_OUT = 124  # the rc of a run stopped by --run-timeout (as timeout(1) reports it)
+
+
+def run(cmd: list[str], log: str, cwd: str, env: dict, check: bool = True,
+        timeout: float | None = None) -> tuple[float, int]:
+    """Run `cmd` with its output in `log`; with `check`, exits naming the log on failure; (wall seconds, rc).
+    Past `timeout` seconds the whole process group is killed and rc is TIMED_OUT."""
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as fh:
         fh.write("$ " + shlex.join(cmd) + "\n")
         fh.flush()
-        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = TIMED_OUT
+            fh.write(f"\nTimeoutError: no exit after {timeout:.0f} s (--run-timeout); every process killed\n")
     if rc and check:
         sys.exit(f"megatron_rl_faults: {os.path.basename(log)[:-4]} failed (exit {rc}); see {log}")
     return time.perf_counter() - start, rc
@@ -96,6 +109,13 @@ def first_error(log: str) -> str:
     with open(log, encoding="utf-8", errors="replace") as fh:
         lines = [line.strip() for line in fh if re.match(r"(\[rank\d+\]: )?\w+(Error|Exception): ", line.strip())]
     return lines[0] if lines else "no exception line in the log"
+
+
+def last_line(log: str) -> str:
+    """The last non-empty line a run wrote before our timeout note."""
+    with open(log, encoding="utf-8", errors="replace") as fh:
+        lines = [line.strip() for line in fh if line.strip() and not line.startswith("TimeoutError: no exit")]
+    return lines[-1] if lines else ""
 
 
 def torchrun(ranks: int, script: str, flags: list[str]) -> list[str]:
@@ -171,8 +191,10 @@ def launch(a, work: str, mlm: str, env: dict, spec: FaultRun, proxy: tuple, say)
     flags += ["--mechanism-routing-replay", "r3"] if spec.r3 else []
     log = os.path.join(folder, "train_rl.log")
     seconds, rc = run(torchrun(ranks, os.path.join(mlm, "train_rl.py"), flags + layout), log, folder,
-                      {**env, "LANGRL_LOG_DIR": os.path.join(folder, "langrl")}, check=False)
-    record = {"ranks": ranks, "wall_s": seconds, "error": first_error(log) if rc else None}
+                      {**env, "LANGRL_LOG_DIR": os.path.join(folder, "langrl")}, check=False, timeout=a.run_timeout)
+    error = (f"TimeoutError: no exit after {a.run_timeout:.0f} s (--run-timeout), killed; last line before: "
+             f"{last_line(log)}" if rc == TIMED_OUT else first_error(log) if rc else None)
+    record = {"ranks": ranks, "wall_s": seconds, "error": error}
     with open(done, "w", encoding="utf-8") as fh:
         json.dump(record, fh)
     say(f"{spec.name}: {a.rl_iters} train_rl.py iterations on {ranks} rank(s) ({seconds:.0f} s)"
@@ -197,6 +219,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr-x", type=float, default=50.0)
     p.add_argument("--partial-credit", type=float, default=0.5, help="the agent's credit per right digit")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--run-timeout", type=float, default=1800.0, metavar="S",
+                   help="seconds a train_rl.py run may take before it is killed and recorded as a miss (a launch "
+                        "has been seen waiting forever on Megatron-LM's inference coordinator)")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.runs.split(",") if n.strip()]
     bad = [n for n in names if n not in RUN_NAMES]
