@@ -50,7 +50,8 @@ def spectral_stats(
     Only the numerical-rank values enter the distribution p_i = σ_i^α / Σ_j σ_j^α:
     σ_i > rank_tol · σ_max, with rank_tol defaulting to max(n, matrix_dim) · eps(dtype) as
     numpy.linalg.matrix_rank does (pass `matrix_dim` = the larger side of the matrix the values
-    came from to reproduce it exactly), or the `rank` largest values when `rank` is given.
+    came from to reproduce it exactly), or the `rank` largest values when `rank` is given. σ from a Gram/eigen
+    route are noise far above that SVD tolerance: pass that route's floor (`spectral_routes`) as `rank_tol`.
     Values are computed in at least float32. Returned keys, each of shape [...]:
 
     - entropy H = −Σ p log p;  normalized_entropy = H / log r, defined 0 when r ≤ 1;
