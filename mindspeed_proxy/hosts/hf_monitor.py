@@ -29,6 +29,7 @@ from mindspeed_proxy.monitor.monitor import STATISTICS, MechanismMonitor
 from mindspeed_proxy.monitor.router import RouterStats
 from mindspeed_proxy.monitor.spectral import qk_increment_spectra, singular_values_from_gram, update_gram
 from mindspeed_proxy.monitor.spectral_family import NSTAT, stats_vector
+from mindspeed_proxy.monitor.spectral_routes import gram_rank_tol, qk_spectra_rank_tol
 
 
 
@@ -218,8 +219,8 @@ class HFMonitor(MechanismMonitor):
             current = slot.read(self._full)
             delta = current - self.snapshots[("w", layer.index, slot.index)].to(current.device)
             gram = update_gram(delta, None)
-            table[layer.index, slot.index, :NSTAT] = stats_vector(singular_values_from_gram(gram), gram.shape[-1],
-                                                                  from_gram=True)
+            sigma, n = singular_values_from_gram(gram), gram.shape[-1]
+            table[layer.index, slot.index, :NSTAT] = stats_vector(sigma, n, gram_rank_tol(n, n, sigma.dtype))
             table[layer.index, slot.index, NSTAT] = 1.0
 
     def _layer_qk(self, layer: hf_targets.Layer, table: torch.Tensor) -> None:
@@ -238,8 +239,9 @@ class HFMonitor(MechanismMonitor):
             wk_old, wk_new = (x.expand(-1, rep, -1, -1).flatten(0, 1)[keep] for x in (wk_old, wk_new))
         sigmas, _ = qk_increment_spectra(wq_old, wk_old, wq_new, wk_new, self.config.qk_terms)
         for ti, term in enumerate(self.config.qk_terms):
-            sigma = sigmas[term].flatten(0, -2)
-            table[layer.index, heads, ti, :NSTAT] = stats_vector(sigma, wq_new.shape[-2])
+            sigma, d = sigmas[term].flatten(0, -2), wq_new.shape[-2]
+            tol = qk_spectra_rank_tol(d, wq_new.shape[-1], sigma.dtype, term)
+            table[layer.index, heads, ti, :NSTAT] = stats_vector(sigma, d, tol)
             table[layer.index, heads, ti, NSTAT] = 1.0
 
     # ---------------------------------------------------------------- router family

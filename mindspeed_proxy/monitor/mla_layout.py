@@ -221,6 +221,16 @@ def mla_increment_singular_values(wq_old, dwq, wk_old, dwk, term: str = "delta2"
     raise ValueError(f"term must be delta1, delta2 or delta3, got {term!r}")
 
 
+def mla_increment_rank_tol(wq_old, dwq, wk_old, dwk, term: str = "delta2", matrix_dim: int = 0) -> Optional[float]:
+    """The rank floor of `mla_increment_singular_values`' σ of `term` from these blocks (`spectral_routes`)."""
+    from mindspeed_proxy.monitor.spectral import compute_dtype
+    from mindspeed_proxy.monitor.spectral_routes import lowrank_rank_tol
+
+    rows, k = max(wq_old.shape[-2], wk_old.shape[-2]), wq_old.shape[-1]
+    return lowrank_rank_tol(rows, k if term == "delta3" else 2 * k, compute_dtype(wq_old, dwq, wk_old, dwk),
+                            matrix_dim)
+
+
 def attention_terms(qk_terms: list[str], model_config) -> list[str]:
     """Names of the attention-spectral terms: `qk_terms` (MLA: the content form), then MLA's `rope_{term}`."""
     if getattr(model_config, "multi_latent_attention", False):

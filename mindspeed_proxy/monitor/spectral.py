@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from mindspeed_proxy.monitor.qk_gram import factor_blocks, rows_gram, term_grams
+from mindspeed_proxy.monitor.spectral_routes import lowrank_route, qk_spectra_route, resolve_method
 from mindspeed_proxy.monitor.threads import outer_threads, single_threaded
 
 try:  # scipy is an extra: without it the core forms FᵀG_BF by two GEMMs
@@ -24,7 +25,6 @@ except ImportError:  # pragma: no cover - exercised where scipy is absent
 TERMS = ("delta1", "delta2", "delta3")
 PARALLEL_MIN_ELEMENTS = 1 << 20  # heads·d·h of one QK core call below which its heads stay on one thread
 PARALLEL_MODES = (None, "column", "row")
-METHODS = ("auto", "gram", "qr")
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -50,7 +50,8 @@ def spectral_stats(
     Only the numerical-rank values enter the distribution p_i = σ_i^α / Σ_j σ_j^α:
     σ_i > rank_tol · σ_max, with rank_tol defaulting to max(n, matrix_dim) · eps(dtype) as
     numpy.linalg.matrix_rank does (pass `matrix_dim` = the larger side of the matrix the values
-    came from to reproduce it exactly), or the `rank` largest values when `rank` is given.
+    came from to reproduce it exactly), or the `rank` largest values when `rank` is given. σ from a Gram/eigen
+    route are noise far above that SVD tolerance: pass that route's floor (`spectral_routes`) as `rank_tol`.
     Values are computed in at least float32. Returned keys, each of shape [...]:
 
     - entropy H = −Σ p log p;  normalized_entropy = H / log r, defined 0 when r ≤ 1;
@@ -193,14 +194,6 @@ def _gram_core_singular_values(gram_a: torch.Tensor, gram_b: torch.Tensor, gram_
     return torch.linalg.eigvalsh(core, UPLO=uplo).clamp_min(0).sqrt().flip(-1)
 
 
-def _resolve_method(method: str, dtype: torch.dtype) -> str:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "auto":
-        return "qr" if dtype == torch.float64 else "gram"
-    return method
-
-
 def _pad(sv: torch.Tensor, m: int) -> torch.Tensor:
     return torch.nn.functional.pad(sv, (0, m - sv.shape[-1])) if sv.shape[-1] < m else sv
 
@@ -223,14 +216,16 @@ def lowrank_product_singular_values(a: torch.Tensor, b: torch.Tensor, method: st
     method "gram": G_A = AᵀA, G_B = BᵀB (GEMMs in the input dtype, a shared B's Gram computed once
     at B's own leading shape), then σ² = eig(Fᵀ G_B F) with F·Fᵀ = G_A, an m×m problem in float64.
     The Gram squares A's conditioning: exactly rank-deficient factors leave spurious values of
-    ~sqrt(eps)·‖A‖‖B‖ (≈3e-4 relative in float32). "qr": R_A·R_Bᵀ of thin QRs, accurate to
+    ~sqrt(eps)·‖A‖‖B‖ (≈3e-4 relative in float32): count the rank above `spectral_routes.lowrank_rank_tol`.
+    "qr": R_A·R_Bᵀ of thin QRs, accurate to
     ~eps (3× slower on CPU). "auto": "qr" for float64 inputs (reference precision), else "gram".
     Leading dims broadcast. When d < m the d×d product gives d values and the rest are zero-padded.
     """
     m, dtype = a.shape[-1], compute_dtype(a, b)
-    if _resolve_method(method, dtype) == "gram":
+    route = lowrank_route(a.shape[-2], m, dtype, method)
+    if route != "qr":
         a, b = a.to(dtype), b.to(dtype)
-        if a.shape[-2] < m:
+        if route == "direct":
             return _direct_singular_values(a, b)
         g_a, g_b = (rows_gram(_rows(x)).to(_small_dtype(x)) for x in (a, b))
         return _gram_core_singular_values(g_a, g_b, torch.finfo(dtype).eps).to(dtype)
@@ -263,7 +258,7 @@ def qk_increment_singular_values(
     if term not in TERMS:
         raise ValueError(f"term must be one of {TERMS}, got {term!r}")
     dtype = compute_dtype(wq_old, wk_old, wq_new, wk_new)
-    if _resolve_method(method, dtype) == "gram":
+    if resolve_method(method, dtype) == "gram":
         return qk_increment_spectra(wq_old, wk_old, wq_new, wk_new, (term,))[0][term]
     q = (wq_old.to(dtype), wq_new.to(dtype))
     k = (wk_old.to(dtype), wk_new.to(dtype))
@@ -290,6 +285,7 @@ def qk_increment_spectra(
     whose old blocks are exactly this call's new ones: the WᵀW products are then skipped (a quarter
     of the d-long flops) and updated by G' = G + C + Cᵀ + D from blocks computed anyway
     (see `qk_gram`). Each reuse adds one rounding of the h×h sum, so recompute exactly now and then.
+    The σ are known above `spectral_routes.qk_spectra_rank_tol` (the Gram core's noise floor).
     """
     bad = [t for t in terms if t not in TERMS]
     if bad:
@@ -298,7 +294,7 @@ def qk_increment_spectra(
     q = (wq_old.to(dtype), wq_new.to(dtype))
     k = (wk_old.to(dtype), wk_new.to(dtype))
     small = _small_dtype(q[0])
-    if q[0].shape[-2] < 2 * q[0].shape[-1]:  # d < 2h: the d×d products are the smaller problems
+    if qk_spectra_route(*q[0].shape[-2:]) == "direct":  # d < 2h: the d×d products are the smaller problems
         cat = (lambda bl: bl[0] if len(bl) == 1 else _hcat(*bl))
         out = {t: _direct_singular_values(cat(_query_blocks(*q, t)), cat(_key_blocks(*k, t))) for t in terms}
         return out, tuple(rows_gram(_rows(x[1])).to(small) for x in (q, k))

@@ -3,6 +3,8 @@
 collectives outside the guards, and published per layer. A mixin of MechanismMonitor (its state and sinks)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mindspeed_proxy.monitor import reductions as R
@@ -10,6 +12,7 @@ from mindspeed_proxy.monitor.config import STAT_NAMES
 from mindspeed_proxy.monitor.mla_layout import (
     TP_GATHERED,
     attention_terms,
+    mla_increment_rank_tol,
     mla_increment_singular_values,
     mla_layout_of,
     mla_qk_blocks,
@@ -17,6 +20,7 @@ from mindspeed_proxy.monitor.mla_layout import (
     sharded_rows,
 )
 from mindspeed_proxy.monitor.qk_layout import group_shared_keys, layernorm_scale, layout_of, qk_blocks
+from mindspeed_proxy.monitor.spectral_routes import gram_rank_tol, lowrank_rank_tol, qk_spectra_rank_tol
 from mindspeed_proxy.monitor.spectral import (
     qk_increment_spectra,
     singular_values_from_gram,
@@ -28,12 +32,12 @@ from mindspeed_proxy.monitor.threads import single_threaded
 NSTAT = len(STAT_NAMES)
 
 
-def stats_vector(sigma: torch.Tensor, matrix_dim: int, from_gram: bool = False) -> torch.Tensor:
-    """The STAT_NAMES statistics of singular values `sigma` ([..., n]) as a float32 vector."""
-    # σ from a Gram's eigenvalues carry an absolute error ~eps·σ_max², i.e. values below
-    # sqrt(n·eps)·σ_max are noise: count the numerical rank above that floor, not SVD's n·eps.
-    tol = (matrix_dim * torch.finfo(sigma.dtype).eps) ** 0.5 if from_gram else None
-    stats = spectral_stats(sigma, matrix_dim=matrix_dim, rank_tol=tol)
+def stats_vector(sigma: torch.Tensor, matrix_dim: int, rank_tol: Optional[float] = None) -> torch.Tensor:
+    """The STAT_NAMES statistics of singular values `sigma` ([..., n]) as a float32 vector.
+
+    `rank_tol`: the noise floor of the route that produced `sigma` (`spectral_routes`); None for an SVD's.
+    """
+    stats = spectral_stats(sigma, matrix_dim=matrix_dim, rank_tol=rank_tol)
     return torch.stack([stats[name] for name in STAT_NAMES], dim=-1).float()
 
 
@@ -137,8 +141,8 @@ class SpectralFamilies:
                 owned = (g.etp_rank == 0) if w.expert_parallel else g.owns_replicated
                 if not owned:
                     continue
-                sigma = singular_values_from_gram(gram)
-                table[w.layer, w.slot, :NSTAT] = stats_vector(sigma, gram.shape[-1], from_gram=True)
+                sigma, n = singular_values_from_gram(gram), gram.shape[-1]
+                table[w.layer, w.slot, :NSTAT] = stats_vector(sigma, n, gram_rank_tol(n, n, sigma.dtype))
                 table[w.layer, w.slot, NSTAT] = 1.0
         except Exception:
             self._fail("update-spectral")
@@ -184,7 +188,8 @@ class SpectralFamilies:
                 self._qk_pending[a.layer] = (grams, cached[1] + 1 if reuse else 0)
                 for ti, term in enumerate(terms):
                     sigma = sigmas[term].flatten(0, -2)
-                    table[a.layer, heads, ti, :NSTAT] = stats_vector(sigma, weight.shape[-1])
+                    tol = qk_spectra_rank_tol(*blocks[0].shape[-2:], sigma.dtype, term, weight.shape[-1])
+                    table[a.layer, heads, ti, :NSTAT] = stats_vector(sigma, weight.shape[-1], tol)
                     table[a.layer, heads, ti, NSTAT] = 1.0
             except Exception:
                 self._fail("attention-spectral")
@@ -210,8 +215,9 @@ class SpectralFamilies:
             for pi, part in enumerate(("content", "rope")):
                 for ti, term in enumerate(terms):
                     sigma = mla_increment_singular_values(*parts[part], term=term)
-                    col = pi * len(terms) + ti
-                    table[a.layer, heads, col, :NSTAT] = stats_vector(sigma, self.model_config.hidden_size)
+                    col, d = pi * len(terms) + ti, self.model_config.hidden_size
+                    tol = mla_increment_rank_tol(*parts[part], term=term, matrix_dim=d)
+                    table[a.layer, heads, col, :NSTAT] = stats_vector(sigma, d, tol)
                     table[a.layer, heads, col, NSTAT] = 1.0
         except Exception:
             self._fail("attention-spectral")
