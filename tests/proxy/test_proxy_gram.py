@@ -53,6 +53,42 @@ def test_blockwise_gram_uses_float32_products_not_float64():
     assert _scaled_error(gram, ref) < 1e-6
 
 
+def test_gram_runs_on_one_blas_thread_and_restores_the_pool(monkeypatch):
+    """The Gram's syrk calls see numpy's BLAS pool at 1 thread (a spinning second thread took the core the
+    source pass needed); the pool is back at its own size afterwards, an exception included."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from mindspeed_proxy.proxy.core.layout import Layout
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    seen = []
+    real = grams.block_gram
+    monkeypatch.setattr(grams, "block_gram", lambda *a, **k: (seen.append(blas_threads()), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randn(3000, generator=gen) for _ in range(4)]
+
+    class Source:
+        layout = Layout(tp=1, pp=1, ep=1, dp=1, num_experts=4)
+
+        def expert_row_groups(self, layer):
+            yield rows
+
+        def router(self, layer):
+            return {"weight": torch.stack([r[:16] for r in rows])}
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        gram, _ = grams.weight_grams(Source(), None)
+        assert blas_threads() == {2}
+        monkeypatch.setattr(grams, "streamed_gram", lambda rows: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            grams.weight_grams(Source(), None)
+        assert blas_threads() == {2}
+    assert seen and all(s == {1} for s in seen)
+    assert _scaled_error(gram, _reference(rows)) < 1e-6
+
+
 class _FakeReader:
     """The ChunkReader interface over an in-memory global tensor cut into the given chunks."""
 
@@ -140,6 +176,30 @@ def test_dist_weight_features_streamed_equal_float64_reference(dist_checkpoints,
             assert torch.equal(ckpt.router(layer)["expert_bias"], full["decoder.layers.mlp.router.expert_bias"][l])
     finally:
         ckpt.close()
+
+
+def test_chunk_reader_sibling_reuses_the_parsed_layouts(dist_checkpoints, monkeypatch):
+    """The writer's and the verifier's readers of the source are siblings of the feature pass's reader: a
+    chunk it parsed is mapped again from the shared layout (no zip or pickle read), with the same bytes."""
+    from test_proxy_dist import ITER
+
+    from mindspeed_proxy.proxy.io.dist import chunks
+
+    first = chunks.ChunkReader(os.path.join(dist_checkpoints("ep2_bias"), ITER))
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    stored = first.chunks(key)
+    want = [first.read(key, o).clone() for o, _ in stored]
+    parsed = []
+    real = chunks._layout
+    monkeypatch.setattr(chunks, "_layout", lambda *a: parsed.append(a) or real(*a))
+    second = first.sibling()
+    assert second.metadata is first.metadata
+    for (o, _), w in zip(stored, want):
+        assert torch.equal(second.read(key, o), w)
+    assert parsed == []
+    other = chunks.ChunkReader(first.folder)  # a reader of its own parses again
+    other.read(key, stored[0][0])
+    assert len(parsed) == 1
 
 
 _MEMORY = r"""

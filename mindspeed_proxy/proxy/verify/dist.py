@@ -28,7 +28,7 @@ def verify_dist(ckpt, plan, out_root: str, stream: StreamCompare = None) -> dict
     if set(out.tensors) != set(src.tensors):
         _fail(folder, f"tensor keys differ from the source's model keys: {sorted(set(out.tensors) ^ set(src.tensors))[:4]}")
     counts = {"files": len(os.listdir(folder)), "experts": 0, "router_rows": 0, "other_tensors": 0, "objects": 0}
-    got_reader, src_reader = ChunkReader(folder), ChunkReader(ckpt.folder)
+    got_reader, src_reader = ChunkReader(folder), ckpt.chunk_reader().sibling()
     for key, (shape, dtype) in sorted(src.tensors.items()):
         want_shape = tuple(K if is_sliced(key) and i == expert_axis(key) else n for i, n in enumerate(shape))
         if out.tensors[key] != (want_shape, dtype):

@@ -54,16 +54,13 @@ class _Slice(io.RawIOBase):
         return got
 
 
-def _mapped(fh, path: str, offset: int, length: int) -> Optional[torch.Tensor]:
-    """The tensor torch.save'd at [offset, offset + length) of `path` as a read-only memory map of its
-    bytes (nothing copied; pages come and go with use), or None if the record is not a plain stored one.
-
-    The pickle is read with torch.load under `skip_data` (shape, strides, dtype; no data), the data
-    record's place from the zip's local header."""
+def _layout(fh, offset: int, length: int) -> Optional[tuple]:
+    """Where and how the tensor torch.save'd at [offset, offset + length) of open file `fh` is stored:
+    (offset of its bytes in the file, nbytes, dtype, shape, stride, storage offset), or None if the record
+    is not a plain stored one. The pickle is read with torch.load under `skip_data` (shape, strides, dtype;
+    no data), the data record's place from the zip's local header."""
     import struct
     import zipfile
-
-    import numpy as np
 
     view = _Slice(fh, offset, length)
     with zipfile.ZipFile(view) as archive:
@@ -89,13 +86,22 @@ def _mapped(fh, path: str, offset: int, length: int) -> Optional[torch.Tensor]:
     nbytes = meta.untyped_storage().nbytes()
     if not isinstance(meta, torch.Tensor) or nbytes != data[0].file_size or start + nbytes > length:
         return None
+    return offset + start, nbytes, meta.dtype, tuple(meta.shape), meta.stride(), meta.storage_offset()
+
+
+def _mapped(path: str, layout: tuple) -> torch.Tensor:
+    """The tensor stored as `layout` (_layout) in `path`, as a read-only memory map of its bytes (nothing
+    copied; pages come and go with use)."""
+    import numpy as np
+
+    start, nbytes, dtype, shape, stride, storage_offset = layout
     if nbytes == 0:
-        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset + start, shape=(nbytes,))
+        return torch.empty_strided(shape, stride, dtype=dtype)
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a read-only array: the tensor must never be written (it is not)
         flat = torch.from_numpy(raw)
-    return flat.view(meta.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    return flat.view(dtype).as_strided(shape, stride, storage_offset)
 
 
 def record_spans(folder: str) -> dict:
@@ -147,16 +153,21 @@ def _numel(sizes) -> int:
 class ChunkReader:
     """The chunks of one torch_dist folder: listed from `.metadata`, loaded one at a time."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, like: Optional["ChunkReader"] = None):
+        """`like`: a reader of the same folder whose metadata and parsed chunk layouts this one shares."""
         from torch.distributed.checkpoint import FileSystemReader
 
         self.folder = folder
-        try:
-            self.metadata = FileSystemReader(folder).read_metadata()
-        except Exception as exc:
-            raise ConversionError(f"truncated or unreadable shard: {folder}: {exc}") from None
+        if like is not None:
+            self.metadata, self._chunk_sizes, self._layouts = like.metadata, like._chunk_sizes, like._layouts
+        else:
+            try:
+                self.metadata = FileSystemReader(folder).read_metadata()
+            except Exception as exc:
+                raise ConversionError(f"truncated or unreadable shard: {folder}: {exc}") from None
+            self._chunk_sizes: dict = {}
+            self._layouts: dict = {}  # (file, offset, length) -> _layout of the chunk stored there
         self._last: tuple = (None, None)
-        self._chunk_sizes: dict = {}
         pages.register(*{os.path.join(folder, i.relative_path) for i in self.metadata.storage_data.values()})
 
     def _sizes_by_offsets(self, key: str) -> dict:
@@ -184,10 +195,16 @@ class ChunkReader:
                                   f"{info.transform_descriptors} (compressed checkpoints are not supported)")
         self._last = (None, None)
         path = os.path.join(self.folder, info.relative_path)
+        place = (info.relative_path, info.offset, info.length)
         try:
-            with open(path, "rb", buffering=0) as fh:
-                tensor = _mapped(fh, path, info.offset, info.length)
-                if tensor is None:
+            layout = self._layouts.get(place)
+            if layout is None:  # not parsed yet
+                with open(path, "rb", buffering=0) as fh:
+                    layout = self._layouts[place] = _layout(fh, info.offset, info.length) or False
+            if layout:
+                tensor = _mapped(path, layout)
+            else:  # not a plain stored record: torch.load copies it
+                with open(path, "rb", buffering=0) as fh:
                     tensor = torch.load(_Slice(fh, info.offset, info.length), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise ConversionError(f"truncated or unreadable shard: {path}: chunk of {key} at {list(offsets)} "
@@ -219,6 +236,10 @@ class ChunkReader:
                 dst = dst.narrow(axis, a - offsets[axis], b - a)
             dst.copy_(src)
         return out
+
+    def sibling(self) -> "ChunkReader":
+        """A new reader of this folder sharing this one's metadata and parsed chunk layouts (nothing re-read)."""
+        return ChunkReader(self.folder, like=self)
 
     def forget(self) -> None:
         """Drop the cached last chunk."""

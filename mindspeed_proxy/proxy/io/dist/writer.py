@@ -139,8 +139,8 @@ COMMON_STATE_KEY = "common_state"  # where megatron-core 0.19's save puts the co
 class _PerThread(threading.local):
     """Each writer thread's own source reader and last chunk (DCP resolves items on `threads` threads)."""
 
-    def __init__(self, folder: str, readers: list):
-        self.reader, self.previous = ChunkReader(folder), []
+    def __init__(self, base: ChunkReader, readers: list):
+        self.reader, self.previous = base.sibling(), []
         readers.append(self)
 
 
@@ -171,9 +171,9 @@ def save_streaming(ckpt, plan, common_state: dict, objects: dict, folder: str, c
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = ChunkReader(ckpt.folder)
+    reader = ckpt.chunk_reader().sibling()  # the layouts the feature pass parsed are not parsed again
     readers: list = []
-    local = _PerThread(ckpt.folder, readers)
+    local = _PerThread(reader, readers)
     model, fetch = dict(objects), {}
     for chunk in proxy_chunks(ckpt, plan, reader, sorted(ckpt.index.tensors)):
         if any(g % s for g, s in zip(chunk.global_shape, chunk.sizes)):
