@@ -47,7 +47,7 @@ def test_every_shipped_yaml_loads_through_its_typed_config(name):
     ("rl_fault_matrix.yaml", "onset: 20", "onest: 20", "rl_fault_matrix.yaml: onest: unknown key"),
     ("rl_fault_matrix.yaml", "heldout_seeds: [3, 4, 5]", "heldout_seeds: [3, x, 5]",
      "rl_fault_matrix.yaml: heldout_seeds[1]: expected int, got 'x'"),
-    ("rl_fault_matrix.yaml", "false_alarms_per_1000_steps: 1.0", "false_alarms_per_1000_steps: often",
+    ("rl_fault_matrix.yaml", "false_alarms_per_1000_steps: 5.0", "false_alarms_per_1000_steps: often",
      "rl_fault_matrix.yaml: false_alarms_per_1000_steps: expected float, got 'often'"),
 ])
 def test_a_typo_or_a_mistyped_value_names_the_file_and_the_key(tmp_path, name, old, new, message):

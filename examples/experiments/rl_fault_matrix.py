@@ -67,17 +67,21 @@ def run_seeds(cfg, work, seeds, reuse, progress) -> None:
     t0, cpu = time.time(), 0.0
     for seed in seeds:
         m = RLMatrix(cfg, seed_dir(work, seed), ROOT, progress, seed=seed, reuse=reuse)
+        e4_done = seed != cfg["heldout_seeds"][0] or not cfg["e4_eval_prompts"] or (m.work / "e4.json").is_file()
+        if reuse and m.recorded(cfg["faults"]) and e4_done:
+            progress(f"seed {seed}: every run recorded (or kept in the repo), nothing to run")
+            continue
         m.warmup()
         m.convert()
         if seed in cfg["tuning_seeds"]:
-            m.tuning_runs()
+            m.tuning_runs(slots=cfg.get("slots", 1))
         else:
             m.heldout_runs(cfg["faults"], slots=cfg.get("slots", 1))
-            if seed == cfg["heldout_seeds"][0] and cfg["e4_eval_prompts"]:
+            if not e4_done:
                 (m.work / "e4.json").write_text(json.dumps(m.e4()))
-        seed_cpu = sum(r.cpu_s for r in m.results)
+        seed_cpu = sum(r.cpu_s or 0.0 for r in m.results)
         cpu += seed_cpu
-        progress(f"seed {seed}: {sum(r.wall_s for r in m.results) / 60:.1f} min wall, {seed_cpu / 60:.1f} CPU min "
+        progress(f"seed {seed}: {sum(r.wall_s or 0.0 for r in m.results) / 60:.1f} min wall, {seed_cpu / 60:.1f} CPU min "
                  "in its stages (reused ones count their recorded cost)")
     wall = time.time() - t0
     progress(f"this sitting: {wall / 60:.1f} min wall; recorded stages {cpu / 60:.1f} CPU min")
@@ -104,6 +108,11 @@ def main(argv=None) -> int:
     seeds = select(p, a, cfg)
     progress = Progress()
     work = os.path.abspath(a.work_dir)
+    raw = a.raw_dir or os.path.splitext(os.path.abspath(a.out))[0]
+    if os.path.isdir(raw):
+        from mindspeed_proxy.experiments.rl_results import import_raw
+
+        progress(f"{import_raw(raw, work, [*cfg['tuning_seeds'], *cfg['heldout_seeds']])} runs imported from {raw}")
     if not a.tables_only:
         progress(f"RL fault matrix: seeds {seeds}; {len(cfg['faults'])} faults x 2 models + "
                  f"{len(cfg['r3_controls'])} R3 controls per held-out seed; work dir {work}")
@@ -114,15 +123,14 @@ def main(argv=None) -> int:
         (f" --faults {a.faults}" if a.faults else "")
     log = os.path.join(work, "sittings.json")
     sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
-    ctx["extra"] = {"command": command, "wall_min": sum(r.wall_s for r in results) / 60,
-                    "cpu_min": sum(r.cpu_s for r in results) / 60, "cores": os.cpu_count(),
+    ctx["extra"] = {"command": command, "wall_min": sum(r.wall_s or 0.0 for r in results) / 60,
+                    "cpu_min": sum(r.cpu_s or 0.0 for r in results) / 60, "notes": cfg.get("notes", []), "cores": os.cpu_count(),
                     "sittings_min": [round(x["wall_s"] / 60, 1) for x in sittings]}
     page = markdown(cfg, ctx)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as fh:
         fh.write(page)
-    raw = a.raw_dir or os.path.splitext(os.path.abspath(a.out))[0]
-    size = export_raw(ctx["stages"], raw)
+    size = export_raw(ctx["stages"], raw, ctx["e4"], cfg["heldout_seeds"][0])
     with open(os.path.join(work, "results.json"), "w", encoding="utf-8") as fh:
         json.dump({"extra": ctx["extra"], "calibrations": ctx["calibrations"], "e4": ctx["e4"],
                    "stages": {f"{s}/{n}": r.to_dict() for (s, n), r in sorted(ctx["stages"].items())}},

@@ -108,6 +108,8 @@ class RLFaultMatrix:
     pearson_smoothing: int = 1
     e4_eval_prompts: int = 64
     notes: list[str] = field(default_factory=list)
+    healthy_rl_seeds: dict[str, list[int]] = field(default_factory=dict)
+    calibrate_config: Optional[str] = None
 
 
 def _name(tp) -> str:

@@ -64,8 +64,8 @@ class RunResult:
     ranks: int
     iters: int
     returncode: int
-    cpu_s: float  # user + system CPU seconds of torchrun and all its ranks
-    wall_s: float
+    cpu_s: float | None  # user + system CPU seconds of torchrun and all its ranks (None: not recorded)
+    wall_s: float | None
     command: list = field(default_factory=list)
 
     def to_dict(self) -> dict:

@@ -66,21 +66,37 @@ def detection_rows(cfg: dict, data: dict, seeds) -> list[dict]:
     return rows
 
 
+def healthy_records(data: dict, seeds, model: str) -> list[dict]:
+    """The healthy runs of `model` on `seeds`: the matrix's `<model>_none` and the extra `<model>_none_s<RL seed>`."""
+    return [d for (s, name), d in sorted(data.items())
+            if s in seeds and (name == f"{model}_none" or name.startswith(f"{model}_none_s"))]
+
+
 def false_alarm_row(label: str, records: list[dict]) -> dict:
-    """Alerts and alarmed runs per 1000 steps over healthy `records` (every alert of a healthy run is false)."""
+    """Alerts and alarmed runs per 1000 steps over healthy `records` (every alert of a healthy run is false), each
+    with its exact 95% interval: Clopper–Pearson on runs alarmed / runs, Garwood (Poisson) on the alert count."""
+    from mindspeed_proxy.report.intervals import binomial_interval, poisson_interval
+
     steps = sum(len(d["rewards"]) for d in records)
     alerts = sum(d["alerts"] for d in records)
     alarmed = sum(d["alerts"] > 0 for d in records)
     per_k = 1000.0 / steps if steps else None
-    return {"runs": label, "count": len(records), "steps": steps, "alerts": alerts,
-            "alerts per 1000 steps": alerts * per_k if per_k else None, "runs alarmed": alarmed,
-            "runs alarmed per 1000 steps": alarmed * per_k if per_k else None}
+    row = {"runs": label, "count": len(records), "steps": steps, "alerts": alerts,
+           "alerts per 1000 steps": alerts * per_k if per_k else None, "alerts 95% interval": None,
+           "runs alarmed": alarmed, "runs alarmed per 1000 steps": alarmed * per_k if per_k else None,
+           "runs alarmed 95% interval": None}
+    if records and steps:
+        lo, hi = poisson_interval(alerts)
+        row["alerts 95% interval"] = f"[{lo * per_k:.2f}, {hi * per_k:.2f}]"
+        per_run = steps / len(records)  # alarmed runs per 1000 steps = proportion alarmed × 1000 / run length
+        lo, hi = binomial_interval(alarmed, len(records))
+        row["runs alarmed 95% interval"] = f"[{lo * 1000 / per_run:.2f}, {hi * 1000 / per_run:.2f}]"
+    return row
 
 
 def false_alarm_rows(data: dict, seeds) -> list[dict]:
     """False alarms of the held-out healthy runs, original and proxy."""
-    return [false_alarm_row(model, [data[(s, f"{model}_none")] for s in seeds if (s, f"{model}_none") in data])
-            for model in MODELS]
+    return [false_alarm_row(model, healthy_records(data, seeds, model)) for model in MODELS]
 
 
 def transfer_rows(cfg: dict, by_source: dict, seeds) -> list[dict]:
@@ -90,16 +106,33 @@ def transfer_rows(cfg: dict, by_source: dict, seeds) -> list[dict]:
     for fault in cfg["faults"]:
         row = {"fault": fault}
         for source, data in by_source.items():
-            recs = [data[(s, f"original_{fault}")] for s in seeds if (s, f"original_{fault}") in data]
             if fault == "none":
-                fa = false_alarm_row(source, recs)
-                row[f"{source}-calibrated"] = (f"{fa['alerts']} alerts / {fa['steps']} steps = "
-                                               f"{fa['alerts per 1000 steps'] or 0:.2f} per 1000 (false alarms)")
+                fa = false_alarm_row(source, healthy_records(data, seeds, "original"))
+                row[f"{source}-calibrated"] = (f"{fa['runs alarmed']} of {fa['count']} runs alarmed, "
+                                               f"{fa['alerts']} alerts / {fa['steps']} steps; runs alarmed per 1000 "
+                                               f"steps {fa['runs alarmed per 1000 steps'] or 0:.2f} "
+                                               f"{fa['runs alarmed 95% interval']}")
             else:
+                recs = [data[(s, f"original_{fault}")] for s in seeds if (s, f"original_{fault}") in data]
                 det = detection(recs)
                 row[f"{source}-calibrated"] = f"{det['detected']} / {det['collapsed']} detected"
         rows.append(row)
     return rows
+
+
+def transfer_verdict(by_source: dict, seeds) -> str:
+    """Whether the proxy-calibrated false-alarm rate of the original's held-out healthy runs (runs alarmed per
+    1000 steps) is within 2× of the original-calibrated one, with both figures."""
+    if not {"original", "proxy"} <= set(by_source):
+        return "not measured (a calibration is missing)"
+    own, other = (false_alarm_row(src, healthy_records(by_source[src], seeds, "original"))
+                  for src in ("original", "proxy"))
+    a, b = own["runs alarmed per 1000 steps"], other["runs alarmed per 1000 steps"]
+    if a is None or b is None:
+        return "not measured (no held-out healthy run)"
+    met = b <= 2 * a if a > 0 else b == 0
+    return (f"{'met' if met else 'MISS'}: proxy-calibrated {b:.2f} vs original-calibrated {a:.2f} runs alarmed "
+            f"per 1000 steps ({other['runs alarmed']} vs {own['runs alarmed']} of {own['count']} runs)")
 
 
 def curve(d: dict, width: int) -> dict:

@@ -13,6 +13,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 from mindspeed_proxy.determinism import PINNED_ENV
 from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch, run_in_slots
@@ -43,8 +44,30 @@ def load_rl_config(path) -> dict:
             raise ValueError(f"{path}: {key} must be a non-empty list of integers")
     if set(cfg["tuning_seeds"]) & set(cfg["heldout_seeds"]):
         raise ValueError(f"{path}: tuning_seeds and heldout_seeds overlap")
+    cfg["healthy_rl_seeds"] = healthy_rl_seeds(path, cfg)
     cfg["config_path"] = str(path)
     return cfg
+
+
+def healthy_rl_seeds(path, cfg) -> dict[int, list[int]]:
+    """{warm-up seed: [RL seeds of its extra healthy runs]}, checked: every key a tuning or held-out seed, every
+    RL seed used once and none equal to a warm-up seed (ValueError names the bad entry)."""
+    out, used = {}, set()
+    warm = {*cfg["tuning_seeds"], *cfg["heldout_seeds"]}
+    for key, rl_seeds in cfg.get("healthy_rl_seeds", {}).items():
+        try:
+            seed = int(key)
+        except ValueError:
+            raise ValueError(f"{path}: healthy_rl_seeds key {key!r} is not an integer seed") from None
+        if seed not in warm:
+            raise ValueError(f"{path}: healthy_rl_seeds key {seed} is neither a tuning nor a held-out seed")
+        bad = [s for s in rl_seeds if s in warm or s in used or rl_seeds.count(s) > 1]
+        if bad:
+            raise ValueError(f"{path}: healthy_rl_seeds[{seed}] reuses seeds {bad} (RL seeds must be distinct "
+                             "from each other and from every warm-up seed)")
+        used.update(rl_seeds)
+        out[seed] = list(rl_seeds)
+    return out
 
 
 def command(ranks: int, module: str, args: list[str]) -> list[str]:
@@ -88,15 +111,15 @@ class RLMatrix:
         """Where the proxy of `selection` is written."""
         return self.work / f"proxy_{selection}"
 
-    def task_args(self) -> list[str]:
-        """The task flags with this matrix's seed."""
-        return [*self.cfg["task_args"], "--seed", str(self.seed)]
+    def task_args(self, seed: Optional[int] = None) -> list[str]:
+        """The task flags with this matrix's seed (or `seed`)."""
+        return [*self.cfg["task_args"], "--seed", str(self.seed if seed is None else seed)]
 
-    def model_args(self, model: str, selection: str = "cluster") -> list[str]:
+    def model_args(self, model: str, selection: str = "cluster", seed: Optional[int] = None) -> list[str]:
         """Task, model and load flags of `model` (the original's warm-up or a proxy of it)."""
         m = self.cfg[model]
         ckpt = self.warm if model == "original" else self.proxy_ckpt(selection)
-        return [*self.task_args(), "--num-experts", str(m["num_experts"]),
+        return [*self.task_args(seed), "--num-experts", str(m["num_experts"]),
                 "--expert-model-parallel-size", str(m["expert_parallel"]), "--load", str(ckpt)]
 
     def _stage(self, name: str, model: str, fault: str, spec, ranks: int, cmd: list[str], iters: int,
@@ -105,7 +128,7 @@ class RLMatrix:
         record, digest = Path(str(run_dir) + ".done.json"), command_hash(cmd)
         if self.reuse and record.is_file():
             saved = json.loads(record.read_text())
-            if saved.get("hash") == digest:
+            if saved.get("hash") in (digest, "imported"):  # imported: a run kept in the repo (rl_results.import_raw)
                 self.progress(f"[seed {self.seed}] {name}: reusing {run_dir}")
                 return RunResult(**saved["result"])
         record.unlink(missing_ok=True)
@@ -154,13 +177,14 @@ class RLMatrix:
             self.results.append(self._stage(f"convert_{selection}", "proxy", "none", None, 1, cmd, 0, out,
                                             self.work / f"convert_{selection}.log"))
 
-    def run(self, fault: str, model: str, r3: bool = False, evals: int = 0) -> RunResult:
-        """One GRPO run of `model` from the warm-up with `fault` (monitor on, samples recorded; R3 for a control)."""
+    def run(self, fault: str, model: str, r3: bool = False, evals: int = 0, rl_seed: Optional[int] = None) -> RunResult:
+        """One GRPO run of `model` from the warm-up with `fault` (monitor on, samples recorded; R3 for a control);
+        `rl_seed` replaces the seed of the run's own process (prompts, sampling), not the warm-up's."""
         c = self.cfg
         spec = c["faults"][fault]
-        name = f"{model}_{fault}" + ("_r3" if r3 else "")
+        name = f"{model}_{fault}" + ("_r3" if r3 else "") + (f"_s{rl_seed}" if rl_seed is not None else "")
         run_dir = self.work / "runs" / name
-        args = [*self.model_args(model), *c["grpo_args"], "--train-iters", str(c["run_iters"]),
+        args = [*self.model_args(model, seed=rl_seed), *c["grpo_args"], "--train-iters", str(c["run_iters"]),
                 "--rl-eval-prompts", str(evals), "--enable-mechanism-monitor", "--log-dir", str(run_dir)]
         if c.get("monitor_config"):
             args += ["--mechanism-monitor-config", str(Path(c["config_path"]).parent / c["monitor_config"])]
@@ -173,20 +197,38 @@ class RLMatrix:
         self.results.append(result)
         return result
 
-    def tuning_runs(self) -> list[RunResult]:
-        """The healthy runs of a tuning seed (original and proxy), what `calibrate` reads."""
-        return [self.run("none", model) for model in MODELS]  # no evals: E4 reads the first held-out seed
+    def planned(self, faults) -> list[str]:
+        """The names of the runs this seed makes (tuning or held-out, extra healthy runs included)."""
+        extra = [f"{m}_none_s{rl}" for m in MODELS for rl in self.cfg["healthy_rl_seeds"].get(self.seed, [])]
+        if self.seed in self.cfg["tuning_seeds"]:
+            return [f"{m}_none" for m in MODELS] + extra
+        return extra + [f"{m}_{f}{r}" for m in MODELS for f in faults
+                        for r in ("", "_r3") if not r or f in self.cfg["r3_controls"]]
 
-    def heldout_runs(self, faults, slots: int = 1) -> list[RunResult]:
-        """Every (fault, model) run of a held-out seed and the R3 controls of `r3_controls`: the proxy's runs
-        first (one rank each, `slots` of them at once), then the original's."""
-        jobs = []
+    def recorded(self, faults) -> bool:
+        """Whether every planned run already has a completed record (then no warm-up is needed)."""
+        return all((self.work / "runs" / f"{n}.done.json").is_file() for n in self.planned(faults))
+
+    def tuning_runs(self, slots: int = 1) -> list[RunResult]:
+        """The healthy runs of a tuning seed (original and proxy, extra RL seeds included), what `calibrate`
+        reads; the proxy's first, `slots` at once (no evals: E4 reads a held-out seed)."""
+        return self.heldout_runs({}, slots, evals=0)
+
+    def heldout_runs(self, faults, slots: int = 1, evals: int | None = None) -> list[RunResult]:
+        """Every (fault, model) run of a held-out seed, its extra healthy runs and the R3 controls of
+        `r3_controls`: the healthy runs first (what the false-alarm rate needs), then the faulted ones; within
+        each, the proxy's (one rank each, `slots` of them at once) before the original's."""
+        healthy, faulted = [], []
         for model in ("proxy", "original"):
-            for fault in faults:
-                evals = self.cfg["e4_eval_prompts"] if fault == "none" else 0
-                jobs.append((model, lambda f=fault, m=model, e=evals: self.run(f, m, evals=e)))
+            e = self.cfg["e4_eval_prompts"] if evals is None else evals
+            healthy.append((model, lambda m=model, e=e: self.run("none", m, evals=e)))
+            healthy += [(model, lambda m=model, s=rl: self.run("none", m, rl_seed=s))
+                        for rl in self.cfg["healthy_rl_seeds"].get(self.seed, [])]
+            for fault in [f for f in faults if f != "none"]:
+                faulted.append((model, lambda f=fault, m=model: self.run(f, m)))
                 if fault in self.cfg["r3_controls"]:
-                    jobs.append((model, lambda f=fault, m=model: self.run(f, m, r3=True)))
+                    faulted.append((model, lambda f=fault, m=model: self.run(f, m, r3=True)))
+        jobs = healthy + faulted
         return run_in_slots([job for _, job in jobs], [self.cfg[m]["ranks"] for m, _ in jobs], slots)
 
     def e4(self) -> dict:

@@ -29,6 +29,8 @@ def cost_rows(results: list) -> list[dict]:
     """Wall and CPU seconds per stage kind, summed over every recorded stage, and per GRPO step for runs."""
     kinds: dict = {}
     for r in results:
+        if r.cpu_s is None:  # a run kept from an earlier sitting whose cost was not recorded per run
+            continue
         kind = r.name.split("_")[0] if r.name.startswith(("sft", "warmup", "convert", "e4")) else f"run ({r.model})"
         k = kinds.setdefault(kind, {"stage": kind, "count": 0, "steps": 0, "wall_s": 0.0, "cpu_s": 0.0})
         k["count"] += 1
@@ -45,13 +47,70 @@ def cost_rows(results: list) -> list[dict]:
 
 
 def calibration_text(name: str, cal: dict) -> str:
-    """One calibration's summary line: thresholds, and the statistics left at the base config's detector."""
+    """One calibration's summary line: thresholds with their tail and promise, the statistics left at the base
+    config's detector, and the total promise per run."""
     if "error" in cal:
         return f"- **{name}** ({cal['runs']} runs): calibration FAILED: {cal['error']}\n"
-    ths = ", ".join(f"{k} {v['threshold']:.3g} ({v['tail']})" for k, v in cal["thresholds"].items()) or "none"
+    ths = ", ".join(f"{k} {v['threshold']:.3g} ({v['tail']}, promise {v['promised']:.3g})"
+                    for k, v in cal["thresholds"].items()) or "none"
+    total = sum(v["promised"] for v in cal["thresholds"].values())
+    ths += f"; total promise {total:.3g} per run"
     unc = ", ".join(f"{k} ({'all scores equal' if 'no spread' in v else v})" for k, v in cal["uncalibrated"].items())
     return (f"- **{name}** ({cal['runs']} healthy tuning runs): {ths}" +
             (f". Left at the base config's detector (no threshold from these runs): {unc}" if unc else "") + "\n")
+
+
+def stage_costs(results: list) -> dict:
+    """Mean recorded CPU seconds: per SFT + warm-up + conversion of a seed, per run of each model."""
+    def mean(rs):
+        rs = [r.cpu_s for r in rs if r.cpu_s is not None]
+        return sum(rs) / len(rs) if rs else None
+
+    kinds = {k: mean([r for r in results if r.name.startswith(k)]) for k in ("sft", "warmup", "convert_cluster")}
+    runs = {m: mean([r for r in results if r.name.startswith(f"{m}_") and r.iters]) for m in ("original", "proxy")}
+    warm = sum(kinds.values()) if all(v is not None for v in kinds.values()) else None
+    return {"warmup": warm, **runs}
+
+
+def protocol_text(cfg: dict, ctx: dict) -> str:
+    """The false-alarm protocol: R, S, run length, N, held-out runs and seeds, the order-statistic condition and
+    the planned CPU cost from the measured per-stage costs; every unmet condition named."""
+    from mindspeed_proxy.experiments.rl_protocol import planned_cpu_s, planned_runs, protocol_check
+
+    stats = ctx.get("tested_statistics") or []
+    pc = protocol_check(cfg, len(stats))
+    cost = stage_costs(ctx["results"])
+    plan = planned_runs(cfg)
+    extra = {int(k): v for k, v in cfg["healthy_rl_seeds"].items()}
+    cpu = (f"{planned_cpu_s(cfg, cost) / 60:.0f} CPU min (measured here: {cost['warmup']:.0f} CPU s per SFT + "
+           f"warm-up + conversion, {cost['original']:.0f} per original run, {cost['proxy']:.0f} per proxy run; "
+           f"{planned_cpu_s(cfg, cost) / 120:.0f} min on 2 free cores)") if None not in cost.values() else \
+        "not measured yet"
+    return (
+        "## Protocol (fixed before the runs)\n\n"
+        f"- **Promise.** R = {cfg['false_alarms_per_1000_steps']:g} runs with a false alarm per 1000 steps, for "
+        f"{cfg['run_iters']}-step runs: per-run budget q = R × {cfg['run_iters']} / 1000 = {pc['q']:.3g}, split over "
+        f"S = {len(stats)} tested statistics ({', '.join(stats)}; base config "
+        f"`examples/configs/{cfg.get('calibrate_config') or cfg['monitor_config']}`: the statistics whose first "
+        f"alerts named faults in this matrix), q/S = {pc['q_per_statistic']:.3g}, form `{cfg['calibrate_form']}`.\n"
+        f"- **Tuning.** N = {pc['tuning_runs_per_model']} healthy runs per model (≥ S/q − 1 = "
+        f"{pc['runs_needed']}: order statistic k = {pc['k']}, promise k/(N + 1) = "
+        f"{pc['promise_per_statistic']:.3g} per statistic, {pc['promise_per_run']:.3g} per run = "
+        f"{pc['promise_per_1000_steps']:.3g} per 1000 steps; no Gumbel extrapolation): warm-up seeds "
+        f"{cfg['tuning_seeds']}, one run each with the warm-up's seed, plus runs with RL seeds "
+        f"{ {s: v for s, v in extra.items() if s in cfg['tuning_seeds']} } from those warm-ups.\n"
+        f"- **Held-out.** {pc['heldout_runs_per_model']} healthy runs per model = {pc['heldout_steps_per_model']} "
+        f"steps (≥ 1000): warm-up seeds {cfg['heldout_seeds']}, one each, plus RL seeds "
+        f"{ {s: v for s, v in extra.items() if s in cfg['heldout_seeds']} }; every fault on the "
+        f"{len(cfg['heldout_seeds'])} held-out warm-up seeds.\n"
+        "- **Independence.** A warm-up seed sets `--seed` of SFT (initialisation, data), GRPO warm-up and "
+        "conversion; an RL seed sets `--seed` of one GRPO run (its prompts and sampling) from that warm-up. Tuning "
+        "and held-out runs share no warm-up and no RL seed; runs from one warm-up share its weights, so they are "
+        "exchangeable with each other but not independent draws of the warm-up (the order-statistic promise "
+        "assumes a new run exchangeable with the tuning runs).\n"
+        f"- **Cost.** {plan['warmups']} warm-ups, {plan['runs']['original']} original and {plan['runs']['proxy']} "
+        f"proxy runs of {cfg['run_iters']} steps: {cpu}.\n"
+        f"- **Conditions.** " + ("all met" if not pc["unmet"] else "UNMET: " + "; ".join(pc["unmet"])) + "\n\n")
 
 
 def markdown(cfg: dict, ctx: dict) -> str:
@@ -65,7 +124,7 @@ def markdown(cfg: dict, ctx: dict) -> str:
     rate = cfg["false_alarms_per_1000_steps"]
     o, p = cfg["original"], cfg["proxy"]
     parts = [
-        "# RL fault matrix (GRPO): original vs proxy, held-out seeds\n\n",
+        "# RL fault matrix (GRPO): original vs proxy, held-out seeds\n\n", protocol_text(cfg, ctx),
         f"Regenerate: `{extra['command']}` (sittings of "
         f"{', '.join(map(str, extra.get('sittings_min') or ['(not recorded)']))} min wall on {extra['cores']} "
         f"cores; the recorded stages: {extra['cpu_min']:.1f} CPU min, "
@@ -98,12 +157,16 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "alert, in steps and as a share of (collapse − onset), median [min, max] over detected runs. E2: the first "
         "alert's family is one the config expects for the fault.\n\n", _table(H.detection_rows(cfg, data, held)),
         "\n## False alarms on the held-out healthy runs\n\n",
-        f"Every alert of a healthy run is false. `calibrate` promises ≤ {rate:g} runs alarmed per 1000 steps.\n\n",
+        f"Every alert of a healthy run is false. **`calibrate` promises ≤ {rate:g} runs alarmed per 1000 steps** "
+        "(runs as long as the tuning runs); measured on every held-out healthy run (the extra RL seeds included), "
+        "with exact 95% intervals (Clopper–Pearson on runs alarmed / runs, scaled by 1000 / run length; Garwood "
+        "on the alert count).\n\n",
         _table(H.false_alarm_rows(data, held)),
         "\n## The proxy calibrates the original\n\n",
         "The original's held-out runs replayed with thresholds calibrated on the proxy's healthy tuning runs only, "
         "next to thresholds calibrated on the original's own healthy tuning runs.\n\n",
         _table(H.transfer_rows(cfg, ctx["by_source"], held)),
+        f"\nWithin 2× of the original-calibrated rate: {H.transfer_verdict(ctx['by_source'], held)}.\n",
         "\n## E3: does the proxy reproduce the original? (new form)\n\n",
         f"Curves: {cfg['pearson_smoothing']}-step trailing mean reward. Distance: mean absolute difference over the "
         "common steps. Band: the largest original-vs-original distance across the held-out seeds (per fault). Per "

@@ -36,15 +36,25 @@ def is_run(r: RunResult) -> bool:
     return r.name.startswith(("original_", "proxy_")) and Path(r.run_dir).parent.name == "runs"
 
 
+def calibration_base(cfg: dict) -> Path:
+    """The base config `calibrate` reads: `calibrate_config` (the protocol's tested statistics), else the runs'."""
+    return Path(cfg["config_path"]).parent / (cfg.get("calibrate_config") or cfg["monitor_config"])
+
+
+def is_healthy(r: RunResult) -> bool:
+    """A healthy matrix run: `<model>_none` or an extra `<model>_none_s<RL seed>`."""
+    return is_run(r) and r.fault == "none" and not r.name.endswith("_r3")
+
+
 def calibrate_all(cfg: dict, work, stages: dict) -> dict:
     """Calibrate on the tuning seeds' healthy runs: all, original only, proxy only (work/calibration/*.yaml)."""
-    base = Path(cfg["config_path"]).parent / cfg["monitor_config"]
+    base = calibration_base(cfg)
     out_dir = Path(work) / "calibration"
     out_dir.mkdir(parents=True, exist_ok=True)
     cals = {}
     for source, models in SOURCES.items():
-        dirs = [stages[(s, f"{m}_none")].run_dir for s in cfg["tuning_seeds"] for m in models
-                if (s, f"{m}_none") in stages]
+        dirs = [r.run_dir for (s, _), r in sorted(stages.items())
+                if s in cfg["tuning_seeds"] and r.model in models and is_healthy(r)]
         if not dirs:
             cals[source] = {"error": "no completed healthy tuning run", "path": None, "runs": 0}
             continue
@@ -102,7 +112,7 @@ def analyse_all(cfg: dict, work) -> dict:
             by_source[source] = {k: record(cfg, r, path) for k, r in runs.items() if r.model == "original"}
     noise = []
     if "lowp-attention" in cfg["faults"]:
-        base = MonitorConfig.from_file(str(pooled or Path(cfg["config_path"]).parent / cfg["monitor_config"]))
+        base = MonitorConfig.from_file(str(Path(cfg["config_path"]).parent / cfg["monitor_config"]))
         series = {k: attention_series(r.run_dir, base) for k, r in runs.items()
                   if r.fault in ("none", "lowp-attention") and not r.name.endswith("_r3")}
         ths = {k.split("/", 1)[1]: v["threshold"] for k, v in cals["all"].get("thresholds", {}).items()
@@ -112,7 +122,11 @@ def analyse_all(cfg: dict, work) -> dict:
     e4_path = seed_dir(work, cfg["heldout_seeds"][0]) / "e4.json"
     if e4_path.is_file():
         e4 = json.loads(e4_path.read_text())
+    from mindspeed_proxy.experiments.rl_protocol import tested_statistics
+
+    tested = tested_statistics(MonitorConfig.from_file(str(calibration_base(cfg))))
     return {"data": data, "by_source": by_source, "calibrations": cals, "noise": noise, "e4": e4,
+            "tested_statistics": tested,
             "results": list(stages.values()), "stages": stages}
 
 
@@ -152,14 +166,73 @@ def trimmed_monitor(path) -> str:
     return "".join(lines)
 
 
-def export_raw(stages: dict, out_dir) -> int:
-    """Gzip every matrix run's metrics.jsonl and trimmed monitor.jsonl to out_dir/<seed>/<run>/; bytes written."""
+def write_stage(r: RunResult, path: Path) -> int:
+    """A run's record without this machine's paths (run dir, command), and whether the trainer stopped it at a
+    non-finite step (from its log); bytes written."""
+    log = Path(r.run_dir) / "run.log"
+    stop = bool(r.returncode) and log.is_file() and NONFINITE_STOP in log.read_text(errors="replace")
+    result = {k: v for k, v in r.to_dict().items() if k not in ("run_dir", "command")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"result": result, "nonfinite_stop": stop}, indent=1) + "\n")
+    return path.stat().st_size
+
+
+def import_raw(raw_dir, work, seeds) -> int:
+    """Unpack every exported run of `seeds` under `raw_dir` that `work` lacks (no record, no run dir) into `work`
+    as a completed stage (record hash `imported`: `--reuse` keeps it), and the other stages' records (cost only,
+    under `imported/`); the number of runs imported."""
+    count = 0
+    for e4 in sorted(Path(raw_dir).glob("*/e4.json")):  # E4's eval rewards (its runs record no monitor)
+        target = seed_dir(work, int(e4.parent.name)) / "e4.json"
+        if int(e4.parent.name) in seeds and not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(e4, target)
+    for kept in sorted(Path(raw_dir).glob("*/stages.json")):  # SFT, warm-up, conversion, E4: their cost only
+        seed = int(kept.parent.name)
+        if seed not in seeds:
+            continue
+        for name, result in json.loads(kept.read_text()).items():
+            record = seed_dir(work, seed) / "imported" / f"{name}.done.json"
+            if not record.is_file() and not any(k == (seed, name) for k in collect(work, [seed])):
+                record.parent.mkdir(parents=True, exist_ok=True)
+                record.write_text(json.dumps({"hash": "cost only", "seed": seed,
+                                              "result": {**result, "run_dir": str(record.parent), "command": []}}))
+    for stage in sorted(Path(raw_dir).glob("*/*/stage.json")):
+        seed, name = int(stage.parent.parent.name), stage.parent.name
+        run_dir = seed_dir(work, seed) / "runs" / name
+        record = Path(str(run_dir) + ".done.json")
+        if seed not in seeds or record.is_file() or run_dir.exists():  # a run dir without record: killed, rerun
+            continue
+        saved = json.loads(stage.read_text())
+        (run_dir / "mechanism_monitor").mkdir(parents=True, exist_ok=True)
+        for src, dst in (("metrics.jsonl.gz", "metrics.jsonl"), ("monitor.jsonl.gz", "mechanism_monitor/monitor.jsonl")):
+            if (stage.parent / src).is_file():
+                with gzip.open(stage.parent / src, "rb") as fin, open(run_dir / dst, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+        if saved.get("nonfinite_stop"):
+            (run_dir / "run.log").write_text(f"(imported from {stage.parent.name}) {NONFINITE_STOP}\n")
+        result = {**saved["result"], "run_dir": str(run_dir), "command": []}
+        record.write_text(json.dumps({"hash": "imported", "seed": seed, "result": result}))
+        count += 1
+    return count
+
+
+def export_raw(stages: dict, out_dir, e4: dict | None = None, e4_seed: int | None = None) -> int:
+    """Gzip every matrix run's metrics.jsonl and trimmed monitor.jsonl to out_dir/<seed>/<run>/ with its record
+    (stage.json), and E4's rewards to out_dir/<e4_seed>/e4.json; bytes written."""
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     total = 0
+    if e4 and e4_seed is not None:
+        (out_dir / str(e4_seed)).mkdir(parents=True, exist_ok=True)
+        (out_dir / str(e4_seed) / "e4.json").write_text(json.dumps(e4, indent=1) + "\n")
+        total += (out_dir / str(e4_seed) / "e4.json").stat().st_size
+    other: dict = {}
     for (seed, name), r in sorted(stages.items()):
         if not is_run(r):
+            other.setdefault(seed, {})[name] = {k: v for k, v in r.to_dict().items() if k not in ("run_dir", "command")}
             continue
+        total += write_stage(r, out_dir / str(seed) / name / "stage.json")
         for src in (Path(r.run_dir) / "metrics.jsonl", Path(r.run_dir) / "mechanism_monitor" / "monitor.jsonl"):
             if not src.is_file():
                 continue
@@ -169,4 +242,8 @@ def export_raw(stages: dict, out_dir) -> int:
             with gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as fout:
                 fout.write(text.encode("utf-8"))
             total += dst.stat().st_size
+    for seed, records in other.items():
+        (out_dir / str(seed)).mkdir(parents=True, exist_ok=True)
+        (out_dir / str(seed) / "stages.json").write_text(json.dumps(records, indent=1) + "\n")
+        total += (out_dir / str(seed) / "stages.json").stat().st_size
     return total

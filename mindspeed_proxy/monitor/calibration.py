@@ -110,6 +110,14 @@ def statistic_score(series: Sequence[Sequence[float]], base: DetectorConfig, for
     return max([0.0] + [series_score(s, base, form) for s in series])
 
 
+def runs_needed(q: float) -> int:
+    """The fewest tuning runs N whose order statistic meets a per-statistic budget q: ⌊q·(N+1)⌋ ≥ 1, i.e.
+    N ≥ 1/q − 1 (with S statistics sharing a per-run budget q_total, q = q_total / S: N ≥ S/q_total − 1)."""
+    if not q > 0:
+        raise CalibrationError(f"per-run false-alarm budget {q} must be > 0")
+    return max(1, math.ceil(1.0 / q - 1.0 - 1e-9))
+
+
 def threshold_from_scores(scores: Sequence[float], q: float, tail: str = "auto") -> dict:
     """Threshold whose exceedance probability by a new run's score is ≤ q: {threshold, tail, k, promised}.
 
@@ -124,7 +132,7 @@ def threshold_from_scores(scores: Sequence[float], q: float, tail: str = "auto")
     k = min(n, math.floor(q * (n + 1) + 1e-9))
     if tail == "order" or (tail == "auto" and k >= 1):
         if k < 1:
-            need = math.ceil(1.0 / q - 1.0 - 1e-9)
+            need = runs_needed(q)
             raise CalibrationError(f"{n} healthy runs give no order-statistic threshold for a per-run false-alarm "
                                    f"budget of {q:.3g}: need ≥ {need} runs, or --tail gumbel")
         ranked = sorted(scores, reverse=True)
@@ -137,7 +145,7 @@ def threshold_from_scores(scores: Sequence[float], q: float, tail: str = "auto")
     beta = statistics.stdev(finite) * math.sqrt(6.0) / math.pi
     if not beta > 0:
         raise CalibrationError(f"the {n} healthy runs' scores are all {finite[0]:.4g}: no spread to extrapolate "
-                               f"a Gumbel tail from; need ≥ {math.ceil(1.0 / q - 1.0 - 1e-9)} runs")
+                               f"a Gumbel tail from; need ≥ {runs_needed(q)} runs")
     mu = statistics.fmean(finite) - EULER_GAMMA * beta
     value = mu - beta * math.log(-math.log(1.0 - min(q, 1.0 - 1e-12)))
     return {"threshold": max(value, 0.0), "tail": "gumbel", "k": 0, "runs": n, "promised": q}
