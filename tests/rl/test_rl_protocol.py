@@ -57,6 +57,11 @@ def test_clopper_pearson_matches_the_beta_quantiles(x, n):
     lo, hi = binomial_interval(x, n)
     assert lo == pytest.approx(stats.beta.ppf(0.025, x, n - x + 1) if x else 0.0, rel=1e-9, abs=1e-14)
     assert hi == pytest.approx(stats.beta.ppf(0.975, x + 1, n - x) if x < n else 1.0, rel=1e-9, abs=1e-14)
+    # the defining property, from the binomial distribution itself: each bound leaves a 2.5% tail
+    if x:
+        assert stats.binom.sf(x - 1, n, lo) == pytest.approx(0.025, rel=1e-7)
+    if x < n:
+        assert stats.binom.cdf(x, n, hi) == pytest.approx(0.025, rel=1e-7)
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 12, 40])
@@ -64,6 +69,9 @@ def test_garwood_matches_the_chi2_quantiles(count):
     lo, hi = poisson_interval(count)
     assert lo == pytest.approx(stats.chi2.ppf(0.025, 2 * count) / 2 if count else 0.0, rel=1e-9, abs=1e-14)
     assert hi == pytest.approx(stats.chi2.ppf(0.975, 2 * count + 2) / 2, rel=1e-9)
+    assert stats.poisson.cdf(count, hi) == pytest.approx(0.025, rel=1e-7)  # each bound leaves a 2.5% tail
+    if count:
+        assert stats.poisson.sf(count - 1, lo) == pytest.approx(0.025, rel=1e-7)
 
 
 def test_interval_bad_input_raises():

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from mindspeed_proxy.monitor.threads import single_threaded
 from mindspeed_proxy.proxy.core.refs import LayerRef
 from mindspeed_proxy.proxy.io import pages
 from mindspeed_proxy.proxy.io.protocol import SourceCheckpoint
@@ -93,23 +93,11 @@ class _Gather:
         return width
 
 
-@contextmanager
-def one_blas_thread():
-    """Run the block with numpy's BLAS pools limited to one thread (as found again afterwards)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # a setup.py dependency; without it the pools stay as they are
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 def weight_grams(ckpt: SourceCheckpoint, layer: LayerRef) -> list:
     """[E x E Gram of the flattened expert weights, E x E Gram of the router rows] (float64) of `layer`."""
     L = ckpt.layout
     gram = np.zeros((L.num_experts, L.num_experts))
-    with one_blas_thread():
+    with single_threaded(blas=True):  # numpy's BLAS pool at 1 (module docstring)
         for rows in ckpt.expert_row_groups(layer):
             gram += streamed_gram(rows)
     router = ckpt.router(layer)["weight"].to(torch.float64)
