@@ -308,6 +308,8 @@ def test_our_adaptor_first_leaves_megatron_unimported():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     waiting = ["megatron.core.inference.contexts.dynamic_context.DynamicInferenceContext.current_input_and_position_ids",
+               "megatron.core.inference.text_generation_controllers.text_generation_controller."
+               "TextGenerationController.__init__",
                "megatron.core.optimizer.get_megatron_optimizer",
                "megatron.core.transformer.moe.moe_layer.MoELayer.forward",
                "megatron.core.transformer.moe.router.TopKRouter.routing",
