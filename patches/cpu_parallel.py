@@ -5,8 +5,8 @@
   `get_device_arch_version()` (`torch.cuda.get_device_properties("cuda:0").major`). Both answer
   compute capability 8.0, what the eager fallbacks stand in for: below the 8.9 that FP8 paths and
   the 10.x that Blackwell-only paths key on, so neither is enabled. `get_device_properties` itself
-  stays torch's: torch's inductor (megatron-core's `jit_fuser` compiles with it on CPU) reads its
-  raise as "no CUDA", and an answer there sends inductor down its CUDA/ROCm paths.
+  stays torch's: torch's inductor, wherever `torch.compile` runs for real (the CPU platform makes it eager,
+  cpu_transfer.py), reads its raise as "no CUDA", and an answer there sends inductor down its CUDA/ROCm paths.
 - `CUDA_DEVICE_MAX_CONNECTIONS`: below arch 10 Megatron-LM's `validate_args` requires it to be "1"
   at TP>1 / CP>1 (one hardware queue, so a TP collective is issued before the GEMM it overlaps).
   A CPU has exactly one queue: set "1" when unset, except for FSDP, which requires it unset.

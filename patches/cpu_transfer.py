@@ -22,12 +22,18 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
 - YaRN's `with torch.device(current_device())` (MLA's default rope): `mindspeed_proxy.patches.mla_local`.
 - Megatron-LM's `train_rl.py` training step (its default packed-sequence params, which only Transformer
   Engine's attention takes): `mindspeed_proxy.patches.cpu_rl` (a row of this feature).
+- `torch.compile` -> the function itself (eager), the way MindSpeed's `requirements-basic` feature makes it a
+  no-op on NPU: megatron-core decorates its fused kernels with `jit_fuser = torch.compile` when its modules are
+  imported (this row comes first, before any megatron-core target is resolved), and on CPU each decoration costs
+  the import of torch._dynamo and torch._inductor (~2 CPU-s a process) and each first call an inductor C++ build
+  (the router's `_apply_expert_bias` runs on every forward).
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
   within GPU RNG context" warning, true by construction here, is filtered from its logger.
 
-Numerics are untouched: every remap changes where a tensor lives or answers a query, never a value.
+Numerics are untouched: every remap changes where a tensor lives or answers a query, never a value (the eager
+`torch.compile` runs the functions' own torch ops, which inductor's fused C++ may round differently).
 """
 from __future__ import annotations
 
@@ -356,7 +362,18 @@ def _no_fused_kernels(_original):
     return load
 
 
+def eager_compile(_original=None):
+    """`torch.compile(fn)` / `@torch.compile(...)` returns `fn` itself: megatron-core's fused functions run eager."""
+
+    def compile(model=None, **_options):
+        return model if model is not None else (lambda fn: fn)
+
+    return compile
+
+
 def _register_all() -> None:
+    # first: resolving the megatron-core rows below imports megatron-core, whose decorators call torch.compile
+    register(Patch("torch:compile", eager_compile, FEATURE, versions=TORCH_SUPPORTED))
     for name in _FACTORIES:
         register(Patch(f"torch:{name}", _factory, FEATURE, versions=TORCH_SUPPORTED, optional=True))
     tensor_rows = [

@@ -1,7 +1,9 @@
 """Platform selection and the transfer-to-CPU layer (each case that activates runs in its own process: forked by
 run_python from the launcher's fork server, which imported torch and megatron-core and activated nothing)."""
+import ast
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,40 @@ def test_deactivate_gives_every_original_back():
         "p.activate('cpu'); assert torch.empty is not before['empty']; print('ok')\n"
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+_JIT_PROBE = (
+    "import sys, torch\n"
+    "compile_ = torch.compile\n"
+    "{activate}"
+    "from megatron.core.transformer.moe.router import TopKRouter\n"
+    "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
+    "compiled = [hasattr(f, '_torchdynamo_orig_callable') for f in (TopKRouter._apply_expert_bias, bias_swiglu)]\n"
+    "x = torch.randn(3, 8, dtype=torch.float64); b = torch.randn(8, dtype=torch.float64)\n"
+    "y = (x + b).chunk(2, -1); ref = torch.nn.functional.silu(y[0]) * y[1]\n"
+    "print({{'compiled': compiled, 'inductor': any(m.startswith('torch._inductor') for m in sys.modules),\n"
+    "       'same': bool(torch.equal(bias_swiglu(x, b), ref)), 'compile_is_torchs': torch.compile is compile_}})\n"
+)
+
+
+def test_cpu_platform_runs_megatron_jit_functions_eager_in_a_new_interpreter():
+    """Activated before megatron-core is imported (every CLI of ours), the `torch:compile` row leaves megatron-core's
+    `jit_fuser` functions plain (no inductor import, no C++ build on their first call), with the result of their
+    own torch ops; without the platform they are dynamo-compiled (what the row changes)."""
+    results = {}
+    for name, activate in (("cpu", "from mindspeed_proxy import platform\nplatform.activate('cpu')\n"), ("none", "")):
+        proc = subprocess.run([sys.executable, "-c", _JIT_PROBE.format(activate=activate)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[name] = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert results["cpu"] == {"compiled": [False, False], "inductor": False, "same": True, "compile_is_torchs": False}
+    assert results["none"]["compiled"] == [True, True] and results["none"]["inductor"]
+
+
+def test_fork_server_imports_megatron_as_the_cpu_platform_does_and_leaves_torch_compile_alone():
+    """The launcher's fork server (mindspeed_proxy.testing.preload) imported megatron-core with the eager row, so a
+    forked rank never builds inductor kernels, and `torch.compile` is torch's own again in it."""
+    proc = run_py(_JIT_PROBE.format(activate=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert got == {"compiled": [False, False], "inductor": False, "same": True, "compile_is_torchs": True}

@@ -1,4 +1,9 @@
-"""Imported once by the launcher's fork server, so that each rank forks with torch and megatron-core loaded."""
+"""Imported once by the launcher's fork server, so that each rank forks with torch and megatron-core loaded.
+
+megatron-core is imported as the CPU platform makes it (patches/cpu_transfer.py, row `torch:compile`): its
+`jit_fuser` functions are decorated while `torch.compile` is eager, so no rank traces and builds them with
+inductor on its first call; `torch.compile` itself is torch's again afterwards (nothing stays patched here).
+"""
 import os
 import warnings
 
@@ -7,11 +12,19 @@ os.environ["OMP_NUM_THREADS"] = "1"  # read by the OpenMP runtime when torch loa
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": each rank says it again
     import numpy  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
-    import megatron.core  # noqa: F401
-    from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
-    from megatron.core.models.gpt import GPTModel  # noqa: F401
-    from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
-    from megatron.core.distributed import DistributedDataParallel  # noqa: F401
-    from megatron.core.transformer.moe import moe_layer  # noqa: F401
+
+    from mindspeed_proxy.patches.cpu_transfer import eager_compile
+
+    compile_ = torch.compile
+    torch.compile = eager_compile(compile_)
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
+        from megatron.core.models.gpt import GPTModel  # noqa: F401
+        from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
+        from megatron.core.distributed import DistributedDataParallel  # noqa: F401
+        from megatron.core.transformer.moe import moe_layer  # noqa: F401
+    finally:
+        torch.compile = compile_
