@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from mindspeed_proxy.patches import cpu_transfer, fault_patches, mla_local, monitor_patches
+from mindspeed_proxy.patches import cpu_transfer, eager_jit, fault_patches, mla_local, monitor_patches
 from mindspeed_proxy.patches.registry import (MEGATRON_CORE_SUPPORTED, applies, megatron_core_version, resolve, table,
                                               within)
 
@@ -15,6 +15,7 @@ def main(argv=None) -> int:
     if not args.list:
         parser.print_help()
         return 0
+    eager_jit.register_all()
     cpu_transfer._register_all()
     monitor_patches.register_all()
     fault_patches.register_all()

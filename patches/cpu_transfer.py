@@ -22,11 +22,8 @@ torch_npu's `transfer_to_npu` remaps them to NPU:
 - YaRN's `with torch.device(current_device())` (MLA's default rope): `mindspeed_proxy.patches.mla_local`.
 - Megatron-LM's `train_rl.py` training step (its default packed-sequence params, which only Transformer
   Engine's attention takes): `mindspeed_proxy.patches.cpu_rl` (a row of this feature).
-- `torch.compile` -> the function itself (eager), the way MindSpeed's `requirements-basic` feature makes it a
-  no-op on NPU: megatron-core decorates its fused kernels with `jit_fuser = torch.compile` when its modules are
-  imported (this row comes first, before any megatron-core target is resolved), and on CPU each decoration costs
-  the import of torch._dynamo and torch._inductor (~2 CPU-s a process) and each first call an inductor C++ build
-  (the router's `_apply_expert_bias` runs on every forward).
+- `torch.compile` -> the function itself (eager): feature eager-jit (`mindspeed_proxy.patches.eager_jit`),
+  applied first by `install()`, before any row below imports megatron-core, and reverted last.
 - Megatron-LM's training side (`megatron.training`, when a checkout is on the path, so its
   `pretrain_gpt.py` runs unmodified): `initialize_megatron` gets its own `allow_no_cuda=True`, and the
   legacy `fused_kernels.load` (an nvcc probe) is a no-op. megatron-core's "CPU RNG state changed
@@ -45,7 +42,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_proxy.patches import cpu_inference, cpu_parallel, cpu_rl, mla_local
+from mindspeed_proxy.patches import cpu_inference, cpu_parallel, cpu_rl, eager_jit, mla_local
 from mindspeed_proxy.patches.registry import (BEFORE_0_17, MEGATRON_CORE_SUPPORTED, TORCH_SUPPORTED, Patch,
                                               apply_feature, register, revert_feature)
 
@@ -362,18 +359,7 @@ def _no_fused_kernels(_original):
     return load
 
 
-def eager_compile(_original=None):
-    """`torch.compile(fn)` / `@torch.compile(...)` returns `fn` itself: megatron-core's fused functions run eager."""
-
-    def compile(model=None, **_options):
-        return model if model is not None else (lambda fn: fn)
-
-    return compile
-
-
 def _register_all() -> None:
-    # first: resolving the megatron-core rows below imports megatron-core, whose decorators call torch.compile
-    register(Patch("torch:compile", eager_compile, FEATURE, versions=TORCH_SUPPORTED))
     for name in _FACTORIES:
         register(Patch(f"torch:{name}", _factory, FEATURE, versions=TORCH_SUPPORTED, optional=True))
     tensor_rows = [
@@ -484,6 +470,7 @@ def _keep_device_contexts_working() -> None:
 def install() -> list[str]:
     """Install the transfer-to-CPU layer once; return the targets patched by this call."""
     _keep_device_contexts_working()
+    eager_jit.apply()  # first: resolving the rows of this feature imports megatron-core, whose decorators compile
     _register_all()
     logger = logging.getLogger("megatron.core.tensor_parallel.random")
     if not any(isinstance(f, _SameGeneratorFilter) for f in logger.filters):
@@ -496,4 +483,4 @@ def uninstall() -> list[str]:
     logger = logging.getLogger("megatron.core.tensor_parallel.random")
     for f in [f for f in logger.filters if isinstance(f, _SameGeneratorFilter)]:
         logger.removeFilter(f)
-    return revert_feature(FEATURE)
+    return revert_feature(FEATURE) + eager_jit.revert()

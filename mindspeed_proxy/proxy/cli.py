@@ -130,6 +130,9 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     """Parse `argv`, convert; 0 on success, one `prog: error: ...` line on stderr and 2 on bad input."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     args = build_parser(prog).parse_args(argv)
+    from mindspeed_proxy.patches import eager_jit
+
+    eager_jit.apply()  # before megatron-core is imported (torch_dist IO, the calibration forward on CPU)
     from mindspeed_proxy.cli import error
     from mindspeed_proxy.proxy.io import pages
     from mindspeed_proxy.proxy.convert import convert, default_workers

@@ -1,6 +1,6 @@
 """Imported once by the launcher's fork server, so that each rank forks with torch and megatron-core loaded.
 
-megatron-core is imported as the CPU platform makes it (patches/cpu_transfer.py, row `torch:compile`): its
+megatron-core is imported as the CPU platform makes it (feature eager-jit, patches/eager_jit.py): its
 `jit_fuser` functions are decorated while `torch.compile` is eager, so no rank traces and builds them with
 inductor on its first call; `torch.compile` itself is torch's again afterwards (nothing stays patched here).
 """
@@ -15,7 +15,7 @@ with warnings.catch_warnings():
     import torch
     import torch.distributed  # noqa: F401
 
-    from mindspeed_proxy.patches.cpu_transfer import eager_compile
+    from mindspeed_proxy.patches.eager_jit import eager_compile
 
     compile_ = torch.compile
     torch.compile = eager_compile(compile_)

@@ -82,6 +82,8 @@ def test_convert_with_calibration_forward_leaves_the_process(checkpoints, dist_c
 
 PROBE = textwrap.dedent("""
     import ctypes, json, sys
+    import torch
+    compile_ = torch.compile
     mode, src, out = sys.argv[1:4]
     if mode == "api":
         from mindspeed_proxy.proxy.convert import convert
@@ -105,11 +107,13 @@ PROBE = textwrap.dedent("""
     block = libc.malloc(1 << 20)
     pinned = libc.mallinfo2().hblks > before
     libc.free(block)
-    print(json.dumps({"pinned": pinned}))
+    print(json.dumps({"pinned": pinned, "eager_compile": torch.compile is not compile_}))
 """)
 
 
-def test_mmap_threshold_set_by_the_command_only(checkpoints, tmp_path):
+def test_mmap_threshold_and_eager_compile_set_by_the_command_only(checkpoints, tmp_path):
+    """The command (not convert()) pins glibc's mmap threshold and applies feature eager-jit (torch.compile the
+    identity, before megatron-core can be imported: patches/eager_jit.py)."""
     if sys.platform != "linux":
         pytest.skip("glibc's mallinfo2 / mallopt")
     src = checkpoints("ep2_bias")
@@ -118,6 +122,8 @@ def test_mmap_threshold_set_by_the_command_only(checkpoints, tmp_path):
         res = subprocess.run([sys.executable, "-c", PROBE, mode, src, str(tmp_path / mode)], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-2000:]
-        found[mode] = json.loads(res.stdout.strip().splitlines()[-1])["pinned"]
-    # the probe sees a pinned threshold (the command), none in a fresh process, none after convert()
-    assert found == {"none": False, "api": False, "cli": True}, found
+        found[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    # the probe sees a pinned threshold and eager torch.compile after the command, neither in a fresh process
+    # nor after convert()
+    neither = {"pinned": False, "eager_compile": False}
+    assert found == {"none": neither, "api": neither, "cli": {"pinned": True, "eager_compile": True}}, found
