@@ -223,6 +223,8 @@ def main(argv=None) -> int:
                    help="seconds a train_rl.py run may take before it is killed and recorded as a miss (a launch "
                         "has been seen waiting forever on Megatron-LM's inference coordinator)")
     a = p.parse_args(argv)
+    if not a.run_timeout > 0:
+        p.error(f"--run-timeout {a.run_timeout:g}: must be a positive number of seconds")
     names = [n.strip() for n in a.runs.split(",") if n.strip()]
     bad = [n for n in names if n not in RUN_NAMES]
     if bad or not names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from mindspeed_proxy.experiments.megatron_rl_faults import FaultRun, rollout_rewards, summarize, table, verdict
 
 ONSET = 5
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _pickle(path, rewards):
@@ -102,3 +104,16 @@ def test_verdicts_met_and_missed(tmp_path):
     assert verdict(noise, failed) == "MISS: the run failed after 8 iterations: [rank1]: RuntimeError: boom"
     assert [healthy.expectation(), noise.expectation(), noise_r3.expectation(), lr.expectation()] == [
         "no alert", "routing-mismatch alert", "no mismatch (R3)", "an alert"]
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_run_timeout_must_be_positive(tmp_path, value):
+    """`--run-timeout 0` would kill every launch at once and record it as a miss: refused in one line, exit 2,
+    before any checkout is looked for or any folder made."""
+    from mindspeed_proxy.testing import run_python
+
+    work = tmp_path / "work"
+    proc = run_python(["examples/megatron_rl_faults.py", "--work-dir", str(work), "--run-timeout", value],
+                      cwd=str(REPO), timeout=120)
+    assert proc.returncode == 2 and f"--run-timeout {float(value):g}: must be a positive" in proc.stderr, proc.stderr
+    assert not work.exists()
