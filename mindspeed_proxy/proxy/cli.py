@@ -132,7 +132,13 @@ def main(argv: Optional[list] = None, prog: str = "convert_to_proxy.py") -> int:
     args = build_parser(prog).parse_args(argv)
     from mindspeed_proxy.patches import eager_jit
 
-    eager_jit.apply()  # before megatron-core is imported (torch_dist IO, the calibration forward on CPU)
+    # megatron-core imported during the command (torch_dist IO, the calibration forward on CPU) keeps eager fused
+    # functions; torch.compile is given back when the command returns
+    with eager_jit.apply():
+        return _convert(args, prog)
+
+
+def _convert(args: argparse.Namespace, prog: str) -> int:
     from mindspeed_proxy.cli import error
     from mindspeed_proxy.proxy.io import pages
     from mindspeed_proxy.proxy.convert import convert, default_workers
