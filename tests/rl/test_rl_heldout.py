@@ -95,3 +95,23 @@ def test_replay_keeps_the_online_non_finite_alert_only(tmp_path):
     kept = online_nonfinite(tmp_path)
     assert [(a["step"], a["family"]) for a in kept] == [(20, "non-finite")]
     assert online_nonfinite(tmp_path / "missing") == []
+
+
+def test_noise_floor_rows_and_verdict_by_hand():
+    """Healthy series 1, 3, 1, 3 (std 2/√3 ≈ 1.1547); the faulted run's values after onset 2 are the healthy ones
+    + 0.5 (shift 0.5, ratio 0.433); the verdict names that ratio and the share of a standard normal beyond it."""
+    import statistics
+
+    healthy = {"delta2/entropy": {0: 1.0, 1: 3.0, 2: 1.0, 3: 3.0}}
+    faulted = {"delta2/entropy": {0: 9.0, 1: 9.0, 2: 1.5, 3: 3.5}}  # before the onset: not counted
+    rows = H.noise_floor_rows({"onset": 2}, {(3, "original_none"): healthy, (3, "original_lowp-attention"): faulted},
+                              [3], {})
+    (row,) = rows
+    std = statistics.stdev([1.0, 3.0, 1.0, 3.0])
+    assert row["healthy std"] == pytest.approx(std) and row["faulted shift (mean, after onset)"] == pytest.approx(0.5)
+    assert row["shift / std"] == pytest.approx(0.5 / std)
+    text = H.noise_floor_verdict(rows, "lowp-attention:start=2")
+    beyond = 2 * (1 - statistics.NormalDist().cdf(0.5 / std))  # 66%
+    assert f"Largest |shift| / std: {0.5 / std:.2f} (delta2/entropy, original, seed 3)" in text
+    assert f"crossed by {100 * beyond:.0f}% of healthy samples" in text and "`lowp-attention:start=2`" in text
+    assert H.noise_floor_verdict([], "x").startswith("No lowp-attention run")
