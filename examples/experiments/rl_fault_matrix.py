@@ -121,8 +121,10 @@ def main(argv=None) -> int:
     results = ctx["results"]
     command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py --reuse" + \
         (f" --faults {a.faults}" if a.faults else "")
-    log = os.path.join(work, "sittings.json")
-    sittings = json.load(open(log, encoding="utf-8")) if os.path.isfile(log) else []
+    # the work dir's sittings, else the copy kept with the raw files (a fresh clone regenerates the same page)
+    log = next((f for f in (os.path.join(work, "sittings.json"), os.path.join(raw, "sittings.json"))
+                if os.path.isfile(f)), None)
+    sittings = json.load(open(log, encoding="utf-8")) if log else []
     ctx["extra"] = {"command": command, "wall_min": sum(r.wall_s or 0.0 for r in results) / 60,
                     "cpu_min": sum(r.cpu_s or 0.0 for r in results) / 60, "notes": cfg.get("notes", []), "cores": os.cpu_count(),
                     "sittings_min": [round(x["wall_s"] / 60, 1) for x in sittings]}
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     with open(a.out, "w", encoding="utf-8") as fh:
         fh.write(page)
     size = export_raw(ctx["stages"], raw, ctx["e4"], cfg["heldout_seeds"][0])
+    with open(os.path.join(raw, "sittings.json"), "w", encoding="utf-8") as fh:
+        json.dump(sittings, fh, indent=1)
     with open(os.path.join(work, "results.json"), "w", encoding="utf-8") as fh:
         json.dump({"extra": ctx["extra"], "calibrations": ctx["calibrations"], "e4": ctx["e4"],
                    "stages": {f"{s}/{n}": r.to_dict() for (s, n), r in sorted(ctx["stages"].items())}},

@@ -229,7 +229,8 @@ def noise_floor_verdict(rows: list[dict], spec: str) -> str:
             f"{', '.join(map(str, seeds))}). The fault (`{spec}`) moves every Δ2 statistic's layer mean by at most "
             f"{d:.2f} of the healthy run's own sample-to-sample standard deviation. A threshold low enough to see "
             f"that shift in one sample (z = {d:.2f}) is crossed by {100 * beyond:.0f}% of healthy samples (Gaussian, "
-            "two-sided), i.e. by nearly every healthy run of this length: at this scale the Δ2 family cannot tell "
+            "two-sided), and every run holds several samples: such a detector would alarm on healthy runs far more "
+            "often than the promise allows. At this scale the Δ2 family cannot tell "
             "this fault from a healthy run, which is why no Δ2 statistic is among the tested statistics and why "
             "the lowp-attention collapses count as misses above. A stronger fault or a later onset, chosen on tuning "
             "seeds, was not run.\n")

@@ -37,7 +37,7 @@ def cost_rows(results: list) -> list[dict]:
         k["steps"] += r.iters
         k["wall_s"] += r.wall_s
         k["cpu_s"] += r.cpu_s
-    rows = list(kinds.values())
+    rows = sorted(kinds.values(), key=lambda k: k["stage"])
     for k in rows:
         k["wall_s_per_step"] = k["wall_s"] / k["steps"] if k["steps"] else None
     rows.append({"stage": "total", "count": sum(k["count"] for k in rows), "steps": sum(k["steps"] for k in rows),
