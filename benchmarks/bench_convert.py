@@ -21,6 +21,7 @@ a DeepSeek-V3-size estimate from the marginal cost and the RSS ratio. D is creat
 written under it is removed at the end.
 """
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -156,11 +157,18 @@ def child_convert(argv: list) -> None:
     if fmt == "torch_dist":
         modules += ["megatron.core.dist_checkpointing", "torch.distributed.checkpoint", "mindspeed_proxy.proxy.io.dist.reader",
                     "mindspeed_proxy.proxy.io.dist.chunks", "mindspeed_proxy.proxy.io.dist.writer"]
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an older checkout without that module (comparison runs)
-            pass
+    try:  # as the command does first: megatron-core's fused functions stay eager (no torch._inductor import)
+        from mindspeed_proxy.patches import eager_jit
+
+        eager = eager_jit.apply()
+    except ImportError:  # an older checkout without it (comparison runs)
+        eager = contextlib.nullcontext()
+    with eager:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an older checkout without that module (comparison runs)
+                pass
     baseline = _status()
     peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     done = threading.Event()
