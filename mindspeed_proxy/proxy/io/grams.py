@@ -26,7 +26,7 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
     buffer (float64 if a row is float64), multiplied in that dtype over `columns` columns at a time,
     summed in float64. Rows memory-mapped from a registered checkpoint file are read with pread straight
     into the buffer (their mapping is never touched); others are copied, their mapped pages dropped. The
-    next block is gathered on a second thread while this one is multiplied (two buffers)."""
+    next block is gathered by two threads (half of the rows each) while this one is multiplied (two buffers)."""
     n = len(rows)
     flat = [r.reshape(-1) for r in rows]
     length = flat[0].numel()
@@ -36,12 +36,17 @@ def streamed_gram(rows: list, block_bytes: int = BLOCK_BYTES, columns: int = PRO
     block = max(1, min(length, block_bytes // (dtype.itemsize * n)))
     gram = np.zeros((n, n))
     starts = range(0, length, block)
-    with _Gather(flat, dtype, block) as gather, ThreadPoolExecutor(1, thread_name_prefix="proxy-gram-read") as pool:
-        pending = pool.submit(gather.fill, 0, 0)
+    halves = [range(0, n // 2), range(n // 2, n)] if n > 1 else [range(n)]
+    with _Gather(flat, dtype, block) as gather, \
+            ThreadPoolExecutor(len(halves), thread_name_prefix="proxy-gram-read") as pool:
+        def submit(slot: int, start: int) -> list:
+            return [pool.submit(gather.fill, slot, start, rows) for rows in halves]
+
+        pending = submit(0, 0)
         for k, start in enumerate(starts):
-            width = pending.result()
+            width = [p.result() for p in pending][0]
             if k + 1 < len(starts):
-                pending = pool.submit(gather.fill, (k + 1) % 2, starts[k + 1])
+                pending = submit((k + 1) % 2, starts[k + 1])
             gram += block_gram(gather.buffers[k % 2][:, :width].numpy(), columns)
     return gram
 
@@ -71,11 +76,12 @@ class _Gather:
             os.close(fd)
         self.files.clear()
 
-    def fill(self, slot: int, start: int) -> int:
-        """Gather columns from `start` into buffer `slot`; return how many columns (the block's width)."""
+    def fill(self, slot: int, start: int, rows: range) -> int:
+        """Gather columns from `start` of `rows` into buffer `slot`; return how many columns (the block's width)."""
         width = min(self.block, self.flat[0].numel() - start)
         buffer, raw, size = self.buffers[slot], self.raw[slot], self.dtype.itemsize
-        for i, f in enumerate(self.flat):
+        for i in rows:
+            f = self.flat[i]
             row = buffer[i, :width]
             if self.sources[i] is None:
                 piece = f[start:start + width]
@@ -86,7 +92,7 @@ class _Gather:
             if f.dtype == self.dtype:
                 target = raw[i * self.block * size:(i * self.block + width) * size]
             else:
-                target = self.staging.setdefault(f.dtype, torch.empty(self.block, dtype=f.dtype))[:width]
+                target = self.staging.setdefault((f.dtype, rows.start), torch.empty(self.block, dtype=f.dtype))[:width]
             pages.pread_into(self.files[path], target, offset + start * f.element_size(), path)
             if f.dtype != self.dtype:
                 row.copy_(target)
