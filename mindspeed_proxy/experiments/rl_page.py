@@ -178,8 +178,7 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "attention-spectral statistic (layer mean), and the lowp-attention run's mean shift from the healthy run "
         "over the same steps after the onset (same seed, same warm-up, so the shift is the fault's).\n\n",
         _table(ctx["noise"]),
-        "\n" + H.noise_floor_verdict(ctx["noise"], str(cfg.get("faults", {}).get("lowp-attention", "lowp-attention"))
-                                      .replace("{onset}", str(cfg["onset"]))),
+        "\n" + H.noise_floor_verdict(ctx["noise"], cfg["faults"].get("lowp-attention") or "lowp-attention"),
         "\n## Every held-out run\n\n", _table(run_rows(cfg, data, held)),
         "\nR3 control (routing replay of the rollout's routing): the routing-mismatch alerts must vanish.\n\n",
         _table(r3),

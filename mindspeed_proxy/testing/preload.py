@@ -12,19 +12,15 @@ os.environ["OMP_NUM_THREADS"] = "1"  # read by the OpenMP runtime when torch loa
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": each rank says it again
     import numpy  # noqa: F401
-    import torch
+    import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    from mindspeed_proxy.patches.eager_jit import eager_compile
+    from mindspeed_proxy.patches import eager_jit
 
-    compile_ = torch.compile
-    torch.compile = eager_compile(compile_)
-    try:
+    with eager_jit.apply():  # torch.compile is torch's again when the block ends
         import megatron.core  # noqa: F401
         from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
         from megatron.core.distributed import DistributedDataParallel  # noqa: F401
         from megatron.core.transformer.moe import moe_layer  # noqa: F401
-    finally:
-        torch.compile = compile_
