@@ -174,14 +174,17 @@ _JIT_PROBE = (
     "compiled = [hasattr(f, '_torchdynamo_orig_callable') for f in (TopKRouter._apply_expert_bias, bias_swiglu)]\n"
     "x = torch.randn(3, 8, dtype=torch.float64); b = torch.randn(8, dtype=torch.float64)\n"
     "y = (x + b).chunk(2, -1); ref = torch.nn.functional.silu(y[0]) * y[1]\n"
-    "print({{'compiled': compiled, 'inductor': any(m.startswith('torch._inductor') for m in sys.modules),\n"
-    "       'same': bool(torch.equal(bias_swiglu(x, b), ref)), 'compile_is_torchs': torch.compile is compile_}})\n"
+    "same = bool(torch.equal(bias_swiglu(x, b), ref)) if not any(compiled) else None\n"
+    # torch's optimizers import torch._dynamo and part of torch._inductor (its config) on their first construction;
+    # inductor's compiler (compile_fx) is imported only when a function is traced and built
+    "print({{'compiled': compiled, 'inductor': 'torch._inductor.compile_fx' in sys.modules,\n"
+    "       'same': same, 'compile_is_torchs': torch.compile is compile_}})\n"
 )
 
 
 def test_cpu_platform_runs_megatron_jit_functions_eager_in_a_new_interpreter():
     """Activated before megatron-core is imported (every CLI of ours), the `torch:compile` row leaves megatron-core's
-    `jit_fuser` functions plain (no inductor import, no C++ build on their first call), with the result of their
+    `jit_fuser` functions plain (inductor's compiler never imported, no C++ build on their first call), with the result of their
     own torch ops; without the platform they are dynamo-compiled (what the row changes)."""
     results = {}
     for name, activate in (("cpu", "from mindspeed_proxy import platform\nplatform.activate('cpu')\n"), ("none", "")):
@@ -190,7 +193,7 @@ def test_cpu_platform_runs_megatron_jit_functions_eager_in_a_new_interpreter():
         assert proc.returncode == 0, proc.stderr[-2000:]
         results[name] = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert results["cpu"] == {"compiled": [False, False], "inductor": False, "same": True, "compile_is_torchs": False}
-    assert results["none"]["compiled"] == [True, True] and results["none"]["inductor"]
+    assert results["none"]["compiled"] == [True, True]  # not called: its first call would build it (~12 CPU-s)
 
 
 def test_fork_server_imports_megatron_as_the_cpu_platform_does_and_leaves_torch_compile_alone():

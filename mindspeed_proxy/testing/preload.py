@@ -3,6 +3,12 @@
 megatron-core is imported as the CPU platform makes it (feature eager-jit, patches/eager_jit.py): its
 `jit_fuser` functions are decorated while `torch.compile` is eager, so no rank traces and builds them with
 inductor on its first call; `torch.compile` itself is torch's again afterwards (nothing stays patched here).
+
+The second group is what nearly every rank imported after it forked (listed from the suite's ranks): torch's
+optimizers import torch._dynamo on their first construction, the monitor imports scipy.linalg, a rank unpickles
+its test function (pytest), and our trainer, monitor and platform layer. Each rank spent ~0.6 CPU-s on them;
+imported here, once per fork server, they cost nothing per rank. Importing runs no code of ours beyond module
+level (no patch is applied, no platform activated).
 """
 import os
 import warnings
@@ -24,3 +30,12 @@ with warnings.catch_warnings():
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
         from megatron.core.distributed import DistributedDataParallel  # noqa: F401
         from megatron.core.transformer.moe import moe_layer  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies import torch as dist_torch_strategy  # noqa: F401
+
+    import pytest  # noqa: F401
+    import scipy.linalg  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+    import mindspeed_proxy.monitor  # noqa: F401
+    import mindspeed_proxy.platform  # noqa: F401
+    import mindspeed_proxy.training.loop  # noqa: F401
