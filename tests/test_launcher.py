@@ -121,3 +121,35 @@ def test_run_python_gives_what_a_new_interpreter_gives(tmp_path, monkeypatch, ho
         assert {"exit3": 3, "message": 1, "none": 0, "raise": 1}[how] == forked.returncode
         assert "launcher.py" not in forked.stderr  # the traceback starts at the command's own frames
     assert os.environ.get("LAUNCHER_TEST_VALUE") is None
+
+
+def save_and_load_torch_dist(folder):
+    """A 2-rank torch_dist save of a row-sharded tensor, then its load: what the rank's results queue is,
+    which of the rank's child processes are still alive after the save, and the loaded shard."""
+    import queue
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    rank = dist.get_rank()
+    shard = torch.arange(8, dtype=torch.float32).reshape(2, 4) + 100 * rank
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", shard, (0, rank, 2))}, folder)
+    alive = [" ".join(c.cmdline())[:80] for c in psutil.Process().children(recursive=True) if c.is_running()
+             and c.status() != psutil.STATUS_ZOMBIE]
+    local = isinstance(filesystem_async._results_queue, queue.Queue)
+    back = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, rank, 2))},
+                                   folder)["w"]
+    return {"local queue": local, "alive": alive, "equal": bool(torch.equal(back, shard))}
+
+
+def test_ranks_save_torch_dist_without_a_spawned_results_manager(tmp_path):
+    """patches/save_results_queue.py in the launcher's ranks: megatron-core's torch_dist writer hands the write
+    results over a queue of the rank (no `spawn` Manager interpreter left running beside it), and the checkpoint
+    it wrote loads back shard for shard."""
+    os.makedirs(tmp_path / "ckpt")
+    got = run_distributed(save_and_load_torch_dist, 2, str(tmp_path / "ckpt"))
+    assert got == [{"local queue": True, "alive": [], "equal": True}] * 2

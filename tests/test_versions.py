@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches, registry
+from mindspeed_proxy.patches import cpu_transfer, fault_patches, monitor_patches, registry, save_results_queue
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,8 +92,10 @@ def all_rows():
     cpu_transfer._register_all()
     monitor_patches.register_all()
     fault_patches.register_all()
+    save_results_queue.register_all()
     return [p for p in registry.table() if p.feature in (cpu_transfer.FEATURE, monitor_patches.FEATURE,
-                                                         fault_patches.FEATURE, fault_patches.LOWP_FEATURE)]
+                                                         fault_patches.FEATURE, fault_patches.LOWP_FEATURE,
+                                                         save_results_queue.FEATURE)]
 
 
 def test_every_row_for_the_imported_version_resolves():

@@ -82,6 +82,7 @@ def _child(payload, rank, world_size, port, platform, caller, env, results, stre
         from mindspeed_proxy import platform as platform_mod
 
         platform_mod.activate(platform)
+        _process_local_save_results()
         import torch.distributed as dist
 
         dist.init_process_group(platform_mod.distributed_backend(), rank=rank, world_size=world_size)
@@ -93,6 +94,17 @@ def _child(payload, rank, world_size, port, platform, caller, env, results, stre
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # every failure, SystemExit included, must reach the parent
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _process_local_save_results() -> None:
+    """A rank's synchronous torch_dist saves pass their write results through a queue of the rank, not a spawned
+    Manager interpreter that imports torch (~2.3 CPU-s per saving rank; patches/save_results_queue.py)."""
+    try:
+        from mindspeed_proxy.patches import save_results_queue
+
+        save_results_queue.apply()
+    except ImportError:  # no megatron-core here: nothing saves torch_dist
+        pass
 
 
 def _teardown():
