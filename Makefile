@@ -42,10 +42,12 @@ rl-demo: setup
 	OMP_NUM_THREADS=1 $(PY) examples/rl_demo.py
 
 # lint-imports: the import contracts of .importlinter (proxy layers, no cycles, the library never imports
-# mindspeed_proxy.testing), docs/architecture.md
+# mindspeed_proxy.testing), docs/architecture.md. PYTHONDONTWRITEBYTECODE is cleared for the suite: it starts
+# hundreds of processes (ranks, commands), and where the environment sets it each of them compiles our sources
+# again and each pytest worker rewrites every test module again (__pycache__ is git-ignored).
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(TESTS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(TESTS)
 
 $(STAMP_LATEST): setup.py Makefile
 	test -x $(PY_LATEST) || $(PYTHON_LATEST) -m venv $(VENV_LATEST)
