@@ -44,7 +44,14 @@ def identity_check(src, out, tp, ep_src, ep_dst, k, kept):
     got = _forward(proxy, batch)
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     n_src, n_dst = cfg.num_experts // ep_src, k // ep_dst
-    dense = safe_torch_load(_rank_file(src, tp_rank, 0, ep_src))["model"]
+    models = {}  # each source rank file read once (a file holds every expert of its EP rank)
+
+    def source_model(ep):
+        if ep not in models:
+            models[ep] = safe_torch_load(_rank_file(src, tp_rank, ep, ep_src))["model"]
+        return models[ep]
+
+    dense = source_model(0)
     checked = {"experts": 0, "router": 0, "other": 0}
     for key, value in proxy.state_dict().items():
         if not isinstance(value, torch.Tensor):
@@ -52,7 +59,7 @@ def identity_check(src, out, tp, ep_src, ep_dst, k, kept):
         parts = key.split(".")
         layer = int(parts[2]) if key.startswith("decoder.layers.") else None
         if key.endswith((".experts.weight1", ".experts.weight2")):  # GroupedMLP: expert j = view(n, ...)[j]
-            src_models = [safe_torch_load(_rank_file(src, tp_rank, e, ep_src))["model"] for e in range(ep_src)]
+            src_models = [source_model(e) for e in range(ep_src)]
             shape = (n_dst, cfg.hidden_size, -1) if key.endswith("1") else (n_dst, -1, cfg.hidden_size)
             src_shape = (n_src,) + shape[1:]
             for j in range(n_dst):
@@ -62,7 +69,7 @@ def identity_check(src, out, tp, ep_src, ep_dst, k, kept):
         elif ".local_experts." in key:
             j = int(parts[parts.index("local_experts") + 1])
             g = kept[layer][ep_rank * n_dst + j]
-            src_model = safe_torch_load(_rank_file(src, tp_rank, g // n_src, ep_src))["model"]
+            src_model = source_model(g // n_src)
             src_key = key.replace(f"local_experts.{j}.", f"local_experts.{g % n_src}.")
             assert torch.equal(value, src_model[src_key]), key
             checked["experts"] += 1
