@@ -10,6 +10,7 @@ its test function (pytest), and our trainer, monitor and platform layer. Each ra
 imported here, once per fork server, they cost nothing per rank. Importing runs no code of ours beyond module
 level (no patch is applied, no platform activated).
 """
+import gc
 import os
 import warnings
 
@@ -39,3 +40,7 @@ with warnings.catch_warnings():
     import mindspeed_proxy.monitor  # noqa: F401
     import mindspeed_proxy.platform  # noqa: F401
     import mindspeed_proxy.training.loop  # noqa: F401
+
+# Everything imported above lives as long as the server: out of the collector's reach, a rank's garbage
+# collections never walk (and copy-on-write) the pages the server's objects share with it.
+gc.freeze()
