@@ -6,9 +6,10 @@ inductor on its first call; `torch.compile` itself is torch's again afterwards (
 
 The second group is what nearly every rank imported after it forked (listed from the suite's ranks): torch's
 optimizers import torch._dynamo on their first construction, the monitor imports scipy.linalg, a rank unpickles
-its test function (pytest), and our trainer, monitor and platform layer. Each rank spent ~0.6 CPU-s on them;
-imported here, once per fork server, they cost nothing per rank. Importing runs no code of ours beyond module
-level (no patch is applied, no platform activated).
+its test function (pytest), our trainer, monitor, platform layer and data (megatron-core's datasets), and the
+layer specs (whose import builds megatron-core's MagicMock stand-ins for the Kitchen extension). Imported here,
+once per fork server, they cost a rank nothing. Importing runs no code of ours beyond module level (no patch is
+applied, no platform activated).
 """
 import gc
 import os
@@ -32,11 +33,13 @@ with warnings.catch_warnings():
         from megatron.core.distributed import DistributedDataParallel  # noqa: F401
         from megatron.core.transformer.moe import moe_layer  # noqa: F401
         from megatron.core.dist_checkpointing.strategies import torch as dist_torch_strategy  # noqa: F401
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
 
     import pytest  # noqa: F401
     import scipy.linalg  # noqa: F401
     import torch._dynamo  # noqa: F401
 
+    import mindspeed_proxy.data  # noqa: F401
     import mindspeed_proxy.monitor  # noqa: F401
     import mindspeed_proxy.platform  # noqa: F401
     import mindspeed_proxy.training.loop  # noqa: F401
