@@ -90,6 +90,19 @@ def test_a_different_numeric_env_starts_fresh_interpreters(monkeypatch):
     assert forked != os.getpid() and spawned == os.getpid()
 
 
+def test_a_first_call_with_another_numeric_env_does_not_start_the_server(monkeypatch):
+    """A process whose first launch overrides a numeric setting (the pinned DeepSpeed example's did, in the
+    suite) spawns that launch and leaves the server to the next plain launch, which forks from it."""
+    from mindspeed_proxy.testing import launcher
+
+    monkeypatch.setattr(launcher, "_ctx", [])  # as in a process that has launched nothing yet
+    monkeypatch.delenv("MINDSPEED_PROXY_SPAWN", raising=False)
+    other = {"MKL_CBWR": os.environ.get("MKL_CBWR", "") + "X"}
+    assert launcher._context(other).get_start_method() == "spawn" and launcher._ctx == []
+    assert launcher._context({}).get_start_method() == "forkserver" and len(launcher._ctx) == 1
+    assert launcher._context(other).get_start_method() == "spawn"
+
+
 SCRIPT = """
 import os, sys
 print("out", sys.argv[1:], os.environ.get("LAUNCHER_TEST_VALUE"), os.getcwd())
