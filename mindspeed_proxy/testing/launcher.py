@@ -27,17 +27,18 @@ _LOAD_TIME_ENV = tuple(k for k in NUMERIC_ENV if k != "OMP_NUM_THREADS")
 def _context(env: dict):
     """A fork server that has imported torch and megatron-core once (mindspeed_proxy.testing.preload):
     ranks fork from it in ~0.1 s instead of spending ~5 s CPU each importing them; its process state
-    never changes (nothing runs there but the imports). Ranks whose numeric env (`_LOAD_TIME_ENV`, caller's
-    env + `env`) differs from the server's start fresh interpreters, as does MINDSPEED_PROXY_SPAWN=1. Only a
+    never changes (nothing runs there but the imports and gc.freeze). Ranks whose numeric env
+    (`_LOAD_TIME_ENV`, caller's env + `env`) differs from the server's start fresh interpreters, as does
+    MINDSPEED_PROXY_SPAWN=1. Only a
     call without such overrides starts the server: started by one with them (say a pinned example's), it would
     send every later plain call of the process to fresh interpreters."""
     if os.environ.get("MINDSPEED_PROXY_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     wanted = {k: None if v is None else str(v) for k, v in
               ((k, env[k] if k in env else os.environ.get(k)) for k in _LOAD_TIME_ENV)}
-    if not _ctx and any(k in env and wanted[k] != os.environ.get(k) for k in _LOAD_TIME_ENV):
-        return mp.get_context("spawn")
     if not _ctx:
+        if wanted != {k: os.environ.get(k) for k in _LOAD_TIME_ENV}:
+            return mp.get_context("spawn")
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([_PRELOAD])
         _ctx.append((ctx, wanted))
