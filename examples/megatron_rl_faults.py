@@ -124,29 +124,17 @@ def torchrun(ranks: int, script: str, flags: list[str]) -> list[str]:
             "-m", "mindspeed_proxy.run", script, *flags]
 
 
-def sft_text(prompt: str, answer: str) -> str:
-    """One SFT document of exactly SEQ tokens: prompt, answer, EOD, then PAD. Megatron-LM's GPTDataset cuts the
-    packed documents into SEQ-token samples, so each sample is one document starting at position 0, as a rollout."""
-    from mindspeed_proxy.rl.tokenizer_dir import EOD, PAD
-
-    return prompt + answer + EOD + PAD * (SEQ - len(prompt) - len(answer) - 1)
-
-
 def prepare_sft(a, work: str, mlm: str, env: dict, say) -> str:
     """Tokenizer folder, SFT jsonl -> preprocess_data.py -> pretrain_gpt.py; returns the checkpoint folder."""
-    from mindspeed_proxy.rl.megatron_agents import nth_prompt
-    from mindspeed_proxy.rl.tasks import build_task
+    from mindspeed_proxy.experiments.megatron_rl_matrix import write_sft_jsonl
     from mindspeed_proxy.rl.tokenizer_dir import write_tokenizer
 
     ckpt = os.path.join(work, "sft_ckpt")
     write_tokenizer(os.path.join(work, "tokenizer"))
     if os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
         return ckpt
-    task = build_task("reverse")
-    with open(os.path.join(work, "sft.jsonl"), "w", encoding="utf-8") as fh:
-        for i in range(a.sft_docs):  # the training stream of another seed than the RL agent's prompts
-            prompt = nth_prompt("reverse", a.sft_seed, i)
-            fh.write(json.dumps({"text": sft_text(prompt, task.answer(prompt))}) + "\n")
+    # the training stream of another seed than the RL agent's prompts, each document SEQ tokens
+    write_sft_jsonl(os.path.join(work, "sft.jsonl"), "reverse", a.sft_seed, a.sft_docs, SEQ)
     seconds, _ = run([sys.executable, os.path.join(mlm, "tools", "preprocess_data.py"), "--input", "sft.jsonl",
                    "--output-prefix", "sft", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                    "tokenizer", "--workers", "1"], os.path.join(work, "preprocess.log"), work, env)

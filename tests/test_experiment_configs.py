@@ -24,7 +24,8 @@ def load_agent_config(path):
 
 
 LOADERS = {"fault_matrix.yaml": lambda p: [load_config(p, m) for m in ("quick", "full")],
-           "rl_fault_matrix.yaml": load_rl_config, "megatron_rl_digits.yaml": load_agent_config}
+           "rl_fault_matrix.yaml": load_rl_config, "megatron_rl_fault_matrix.yaml": load_rl_config,
+           "megatron_rl_digits.yaml": load_agent_config}
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -49,6 +50,10 @@ def test_every_shipped_yaml_loads_through_its_typed_config(name):
      "rl_fault_matrix.yaml: heldout_seeds[1]: expected int, got 'x'"),
     ("rl_fault_matrix.yaml", "false_alarms_per_1000_steps: 5.0", "false_alarms_per_1000_steps: often",
      "rl_fault_matrix.yaml: false_alarms_per_1000_steps: expected float, got 'often'"),
+    ("megatron_rl_fault_matrix.yaml", "  sft_docs: 20000", "  sft_doc: 20000",
+     "megatron_rl_fault_matrix.yaml: megatron.sft_doc: unknown key"),
+    ("megatron_rl_fault_matrix.yaml", "run_timeout_s: 1800", "run_timeout_s: long",
+     "megatron_rl_fault_matrix.yaml: megatron.run_timeout_s: expected float, got 'long'"),
 ])
 def test_a_typo_or_a_mistyped_value_names_the_file_and_the_key(tmp_path, name, old, new, message):
     text = (CONFIGS / name).read_text()

@@ -5,9 +5,14 @@ held-out tables from the replayed alerts, written to docs/results.
         [--config examples/configs/rl_fault_matrix.yaml] [--out docs/results/rl_fault_matrix.md]
         [--seeds 3,4] [--faults a,b] [--reuse] [--tables-only]
 
-Per seed, one process tree at a time (2 cores): SFT + GRPO warm-up, conversion, then the tuning seeds' healthy
-runs or the held-out seeds' full matrix (R3 controls; E4 on the first held-out seed). With --reuse every stage
-already completed with the same command is skipped, so a killed or partial matrix resumes where it stopped.
+The loop is the config's: `rl_fault_matrix.yaml` runs our GRPO loop (mindspeed_proxy.rl.train);
+`megatron_rl_fault_matrix.yaml` runs Megatron-LM's own train_rl.py (needs a checkout, --megatron-lm or
+MEGATRON_LM_PATH, on PYTHONPATH with its RL packages: docs/megatron_lm.md). --out and --work-dir default to the
+config's name under docs/results/ and runs/.
+
+Per seed, one process tree at a time (2 cores): SFT (+ GRPO warm-up in our loop), conversion, then the tuning seeds'
+healthy runs or the held-out seeds' full matrix (R3 controls; E4 on the first held-out seed). With --reuse every
+stage already completed with the same command is skipped, so a killed or partial matrix resumes where it stopped.
 Then, from everything recorded in --work-dir: `calibrate`, replay, tables (mindspeed_proxy/experiments/rl_*.py).
 """
 from __future__ import annotations
@@ -25,9 +30,11 @@ sys.path.insert(0, ROOT)
 def parse(argv):
     """The driver's arguments."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "rl_fault_matrix"))
+    p.add_argument("--work-dir", default=None, help="default: runs/<config name>")
     p.add_argument("--config", default=os.path.join(ROOT, "examples", "configs", "rl_fault_matrix.yaml"))
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "rl_fault_matrix.md"))
+    p.add_argument("--out", default=None, help="default: docs/results/<config name>.md")
+    p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH"),
+                   help="the Megatron-LM checkout (core_v0.16) of a train_rl loop config")
     p.add_argument("--raw-dir", default=None, help="gzipped raw files (default: next to --out, named as it)")
     p.add_argument("--faults", default=None, help="comma-separated subset of the config's faults")
     p.add_argument("--seeds", default=None, help="comma-separated subset of the config's tuning + held-out seeds")
@@ -59,14 +66,24 @@ def select(p, a, cfg) -> list[int]:
     return seeds
 
 
-def run_seeds(cfg, work, seeds, reuse, progress) -> None:
-    """Every stage of every seed in `seeds`; prints each seed's and the sitting's wall and CPU totals."""
+def matrix(cfg, folder, seed, reuse, progress, megatron_lm):
+    """The config's loop for one seed: RLMatrix (our GRPO loop) or MegatronRLMatrix (train_rl.py)."""
+    if cfg["loop"] == "train_rl":
+        from mindspeed_proxy.experiments.megatron_rl_matrix import MegatronRLMatrix
+
+        return MegatronRLMatrix(cfg, folder, ROOT, megatron_lm, progress, seed=seed, reuse=reuse)
     from mindspeed_proxy.experiments.rl_matrix import RLMatrix
+
+    return RLMatrix(cfg, folder, ROOT, progress, seed=seed, reuse=reuse)
+
+
+def run_seeds(cfg, work, seeds, reuse, progress, megatron_lm=None) -> None:
+    """Every stage of every seed in `seeds`; prints each seed's and the sitting's wall and CPU totals."""
     from mindspeed_proxy.experiments.rl_results import seed_dir
 
     t0, cpu = time.time(), 0.0
     for seed in seeds:
-        m = RLMatrix(cfg, seed_dir(work, seed), ROOT, progress, seed=seed, reuse=reuse)
+        m = matrix(cfg, seed_dir(work, seed), seed, reuse, progress, megatron_lm)
         e4_done = seed != cfg["heldout_seeds"][0] or not cfg["e4_eval_prompts"] or (m.work / "e4.json").is_file()
         if reuse and m.recorded(cfg["faults"]) and e4_done:
             progress(f"seed {seed}: every run recorded (or kept in the repo), nothing to run")
@@ -106,8 +123,14 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         return error("rl_fault_matrix.py", exc)
     seeds = select(p, a, cfg)
+    name = os.path.splitext(os.path.basename(a.config))[0]
+    a.out = a.out or os.path.join(ROOT, "docs", "results", name + ".md")
+    if cfg["loop"] == "train_rl" and not a.tables_only and not (
+            a.megatron_lm and os.path.isfile(os.path.join(a.megatron_lm, "train_rl.py"))):
+        p.error(f"--megatron-lm {a.megatron_lm!r}: not a Megatron-LM checkout with train_rl.py (the config's loop is "
+                "train_rl; set MEGATRON_LM_PATH or pass --megatron-lm)")
     progress = Progress()
-    work = os.path.abspath(a.work_dir)
+    work = os.path.abspath(a.work_dir or os.path.join(ROOT, "runs", name))
     raw = a.raw_dir or os.path.splitext(os.path.abspath(a.out))[0]
     if os.path.isdir(raw):
         from mindspeed_proxy.experiments.rl_results import import_raw
@@ -116,10 +139,11 @@ def main(argv=None) -> int:
     if not a.tables_only:
         progress(f"RL fault matrix: seeds {seeds}; {len(cfg['faults'])} faults x 2 models + "
                  f"{len(cfg['r3_controls'])} R3 controls per held-out seed; work dir {work}")
-        run_seeds(cfg, work, seeds, a.reuse, progress)
+        run_seeds(cfg, work, seeds, a.reuse, progress, a.megatron_lm)
     ctx = analyse_all(cfg, work)
     results = ctx["results"]
     command = "OMP_NUM_THREADS=1 .venv/bin/python examples/experiments/rl_fault_matrix.py --reuse" + \
+        ("" if name == "rl_fault_matrix" else f" --config examples/configs/{name}.yaml") + \
         (f" --faults {a.faults}" if a.faults else "")
     # the work dir's sittings, else the copy kept with the raw files (a fresh clone regenerates the same page)
     log = next((f for f in (os.path.join(work, "sittings.json"), os.path.join(raw, "sittings.json"))

@@ -84,17 +84,29 @@ class FaultMatrix:
 
 
 @dataclass
-class RLFaultMatrix:
-    """examples/configs/rl_fault_matrix.yaml."""
+class MegatronLoop:
+    """The train_rl.py loop of an RL matrix: Megatron-LM flags of the model, its SFT and its GRPO runs."""
 
-    task_args: list[str]
-    grpo_args: list[str]
+    arch_args: list[str]  # model flags of pretrain_gpt.py and train_rl.py (--seq-length included)
+    sft_args: list[str]   # pretrain_gpt.py's optimisation flags of the SFT start checkpoint
+    rl_args: list[str]    # train_rl.py's GRPO, inference and monitor flags of every run
+    sft_docs: int         # digit-task documents of the SFT data
+    seq_length: int       # tokens per SFT document (prompt, answer, EOD, PADs): train_rl.py's --seq-length
+    task: str = "reverse"
+    partial_credit: float = 0.5
+    sft_data_seed_offset: int = 1000  # the SFT documents' prompt stream: seed + offset (not an RL prompt stream)
+    run_timeout_s: float = 1800.0     # a run past this is killed and recorded (exit 124)
+
+
+@dataclass
+class RLFaultMatrix:
+    """examples/configs/rl_fault_matrix.yaml (our GRPO loop) and megatron_rl_fault_matrix.yaml (train_rl.py)."""
+
     original: Model
     proxy: Model
     tuning_seeds: list[int]
     heldout_seeds: list[int]
     sft_iters: int
-    warmup_rl_iters: int
     run_iters: int
     onset: int
     faults: dict[str, Optional[str]]
@@ -110,6 +122,13 @@ class RLFaultMatrix:
     notes: list[str] = field(default_factory=list)
     healthy_rl_seeds: dict[str, list[int]] = field(default_factory=dict)
     calibrate_config: Optional[str] = None
+    task_args: list[str] = field(default_factory=list)  # our loop's task flags
+    grpo_args: list[str] = field(default_factory=list)  # our loop's GRPO flags
+    warmup_rl_iters: int = 0                            # our loop's GRPO warm-up before the conversion
+    loop: str = "grpo"                                  # grpo: mindspeed_proxy.rl.train; train_rl: Megatron-LM's
+    megatron: Optional[MegatronLoop] = None             # the train_rl loop's settings
+    title: str = "RL fault matrix (GRPO): original vs proxy, held-out seeds"
+    setup: Optional[str] = None                         # the page's per-seed paragraph (default: our loop's)
 
 
 def _name(tp) -> str:

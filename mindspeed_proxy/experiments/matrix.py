@@ -7,11 +7,13 @@ models, warm-up and run lengths, fault specs, the monitor config, the divergence
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -102,15 +104,34 @@ def steal_fraction(start: tuple[int, int], end: tuple[int, int]) -> float | None
     return (end[0] - start[0]) / total if total > 0 else None
 
 
-def launch(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[int, float, float]:
-    """Run `cmd` with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds)."""
+TIMED_OUT = 124  # the return code of a command killed at its timeout (as timeout(1) reports it)
+
+
+def launch(cmd: list[str], log_path: Path, env: dict | None = None,
+           timeout: float | None = None) -> tuple[int, float, float]:
+    """Run `cmd` with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds). Past
+    `timeout` seconds its whole process group is killed, a line saying so ends the log and the code is TIMED_OUT."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, fired = time.time(), []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=timeout is not None,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        timer = None
+        if timeout is not None:
+            def kill():
+                fired.append(True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+            timer = threading.Timer(timeout, kill)
+            timer.start()
         _, status, usage = os.wait4(proc.pid, 0)  # rusage of the child incl. its waited-for ranks
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        if timer is not None:
+            timer.cancel()
+        proc.returncode = TIMED_OUT if fired else os.waitstatus_to_exitcode(status)
+        if fired:
+            log.seek(0, os.SEEK_END)
+            log.write(f"\nTimeoutError: no exit after {timeout:.0f} s; every process of the run killed\n")
     return proc.returncode, usage.ru_utime + usage.ru_stime, time.time() - t0
 
 

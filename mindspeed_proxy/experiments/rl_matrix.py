@@ -8,6 +8,7 @@ Settings: examples/configs/rl_fault_matrix.yaml.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -21,6 +22,7 @@ from mindspeed_proxy.experiments.matrix import Progress, RunResult, launch, run_
 MODELS = ("original", "proxy")
 SELECTIONS = ("cluster", "random", "usage")  # convert_to_proxy.py --selection
 SEED_LISTS = ("tuning_seeds", "heldout_seeds")
+LOOPS = ("grpo", "train_rl")  # mindspeed_proxy.rl.train, Megatron-LM's train_rl.py (experiments/megatron_rl_matrix.py)
 
 
 def load_rl_config(path) -> dict:
@@ -30,6 +32,11 @@ def load_rl_config(path) -> dict:
 
     path = Path(path).resolve()
     cfg = read_typed(path, RLFaultMatrix)
+    for f in dataclasses.fields(RLFaultMatrix):  # the schema's defaults for the keys the file leaves out
+        if f.name not in cfg and f.default is not dataclasses.MISSING:
+            cfg[f.name] = f.default
+        elif f.name not in cfg and f.default_factory is not dataclasses.MISSING:
+            cfg[f.name] = f.default_factory()
     cfg["faults"] = {k: (v.format(onset=cfg["onset"]) if v else None) for k, v in cfg["faults"].items()}
     bad = [f for f in cfg["r3_controls"] if f not in cfg["faults"]]
     if bad:
@@ -44,6 +51,10 @@ def load_rl_config(path) -> dict:
             raise ValueError(f"{path}: {key} must be a non-empty list of integers")
     if set(cfg["tuning_seeds"]) & set(cfg["heldout_seeds"]):
         raise ValueError(f"{path}: tuning_seeds and heldout_seeds overlap")
+    if cfg["loop"] not in LOOPS:
+        raise ValueError(f"{path}: loop {cfg['loop']!r}: expected one of {', '.join(LOOPS)}")
+    if cfg["loop"] == "train_rl" and cfg["megatron"] is None:
+        raise ValueError(f"{path}: loop train_rl needs the 'megatron' settings (arch_args, sft_args, rl_args, ...)")
     cfg["healthy_rl_seeds"] = healthy_rl_seeds(path, cfg)
     cfg["config_path"] = str(path)
     return cfg
@@ -123,8 +134,11 @@ class RLMatrix:
                 "--expert-model-parallel-size", str(m["expert_parallel"]), "--load", str(ckpt)]
 
     def _stage(self, name: str, model: str, fault: str, spec, ranks: int, cmd: list[str], iters: int,
-               run_dir: Path, log: Path, outputs=(), check: bool = True) -> RunResult:
-        """Run `cmd` unless `reuse` finds its completed record; write the record when it ends."""
+               run_dir: Path, log: Path, outputs=(), check: bool = True, env: Optional[dict] = None,
+               timeout: Optional[float] = None, after=None) -> RunResult:
+        """Run `cmd` unless `reuse` finds its completed record; write the record when it ends (`env`: added to
+        the pinned environment; `timeout`: seconds before the process tree is killed; `after(run_dir)`: called
+        once the command has ended, before the record is written)."""
         record, digest = Path(str(run_dir) + ".done.json"), command_hash(cmd)
         if self.reuse and record.is_file():
             saved = json.loads(record.read_text())
@@ -134,7 +148,10 @@ class RLMatrix:
         record.unlink(missing_ok=True)
         for path in (run_dir, *outputs):  # a half-written earlier attempt
             shutil.rmtree(path, ignore_errors=True)
-        rc, cpu, wall = launch(cmd, log, PINNED_ENV)  # pinned numerics, as the RL demo (docs/determinism.md)
+        # pinned numerics, as the RL demo (docs/determinism.md)
+        rc, cpu, wall = launch(cmd, log, {**PINNED_ENV, **(env or {})}, timeout=timeout)
+        if after is not None:
+            after(run_dir)
         result = RunResult(name, model, fault, spec, str(run_dir), ranks, iters, rc, cpu, wall, cmd)
         if rc and check:
             raise RuntimeError(f"seed {self.seed} {name}: exit {rc}; see {log}")

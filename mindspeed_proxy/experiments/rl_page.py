@@ -1,6 +1,8 @@
 """The RL fault matrix's results page (docs/results/rl_fault_matrix.md) from the held-out tables."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from mindspeed_proxy.experiments import rl_heldout as H
 from mindspeed_proxy.experiments.rl_tables import _label, _table, gap_rows, r3_verdicts
 
@@ -66,9 +68,12 @@ def stage_costs(results: list) -> dict:
         rs = [r.cpu_s for r in rs if r.cpu_s is not None]
         return sum(rs) / len(rs) if rs else None
 
-    kinds = {k: mean([r for r in results if r.name.startswith(k)]) for k in ("sft", "warmup", "convert_cluster")}
+    kinds = {k: mean([r for r in results if r.name.startswith(k)])
+             for k in ("preprocess", "sft", "warmup", "convert_cluster")}
     runs = {m: mean([r for r in results if r.name.startswith(f"{m}_") and r.iters]) for m in ("original", "proxy")}
-    warm = sum(kinds.values()) if all(v is not None for v in kinds.values()) else None
+    # our loop: SFT + GRPO warm-up + conversion; train_rl.py's: preprocess_data.py + pretrain_gpt.py + conversion
+    needed = ("sft", "convert_cluster") + (("warmup",) if any(r.name == "warmup" for r in results) else ())
+    warm = sum(v for v in kinds.values() if v is not None) if all(kinds[k] is not None for k in needed) else None
     return {"warmup": warm, **runs}
 
 
@@ -103,14 +108,33 @@ def protocol_text(cfg: dict, ctx: dict) -> str:
         f"steps (≥ 1000): warm-up seeds {cfg['heldout_seeds']}, one each, plus RL seeds "
         f"{ {s: v for s, v in extra.items() if s in cfg['heldout_seeds']} }; every fault on the "
         f"{len(cfg['heldout_seeds'])} held-out warm-up seeds.\n"
-        "- **Independence.** A warm-up seed sets `--seed` of SFT (initialisation, data), GRPO warm-up and "
-        "conversion; an RL seed sets `--seed` of one GRPO run (its prompts and sampling) from that warm-up. Tuning "
+        "- **Independence.** A warm-up seed sets `--seed` of SFT (initialisation, data), "
+        + ("GRPO warm-up and " if cfg.get("warmup_rl_iters") else "") + "conversion; an RL seed sets `--seed` of "
+        "one GRPO run (its prompts and sampling) from that warm-up. Tuning "
         "and held-out runs share no warm-up and no RL seed; runs from one warm-up share its weights, so they are "
         "exchangeable with each other but not independent draws of the warm-up (the order-statistic promise "
         "assumes a new run exchangeable with the tuning runs).\n"
         f"- **Cost.** {plan['warmups']} warm-ups, {plan['runs']['original']} original and {plan['runs']['proxy']} "
         f"proxy runs of {cfg['run_iters']} steps: {cpu}.\n"
         f"- **Conditions.** " + ("all met" if not pc["unmet"] else "UNMET: " + "; ".join(pc["unmet"])) + "\n\n")
+
+
+def setup_text(cfg: dict) -> str:
+    """The page's per-seed paragraph: the config's `setup` (its {placeholders} filled from the config; o, p: the
+    original's and the proxy's settings), else our GRPO loop's."""
+    o, p = cfg["original"], cfg["proxy"]
+    if cfg.get("setup"):
+        return " ".join(cfg["setup"].split()).format(**cfg, o=o, p=p) + "\n\n"
+    return (
+        f"Per seed (tuning seeds {cfg['tuning_seeds']}, held-out seeds {cfg['heldout_seeds']}; the seed is `--seed` "
+        f"of every process: SFT initialisation, prompts, sampling, the random conversion): SFT "
+        f"({cfg['sft_iters']} steps) + GRPO warm-up ({cfg['warmup_rl_iters']} steps) of the original "
+        f"({o['num_experts']} experts, EP={o['expert_parallel']}, {o['ranks']} ranks), converted to "
+        f"{p['num_experts']} experts at EP={p['expert_parallel']} ({p['ranks']} rank); each run {cfg['run_iters']} "
+        f"GRPO steps from it, faults from step {cfg['onset']}, monitor on and recording its samples. Reward "
+        f"collapse: the {cfg['collapse']['window']}-step mean reward below {cfg['collapse']['factor']} × its mean "
+        "before the onset. A run the trainer stops at its first non-finite step (its default "
+        "`--check-for-nan-in-loss-and-grad`, grad-overflow) is listed as stopped, not as a collapse.\n\n")
 
 
 def markdown(cfg: dict, ctx: dict) -> str:
@@ -122,25 +146,17 @@ def markdown(cfg: dict, ctx: dict) -> str:
                for k, v in (ctx.get("e4") or {}).items()]
     r3 = [{"seed": s, **row} for s in held for row in r3_verdicts(cfg, {n: d for (t, n), d in data.items() if t == s})]
     rate = cfg["false_alarms_per_1000_steps"]
-    o, p = cfg["original"], cfg["proxy"]
+    name = Path(cfg["config_path"]).stem
     parts = [
-        "# RL fault matrix (GRPO): original vs proxy, held-out seeds\n\n", protocol_text(cfg, ctx),
+        f"# {cfg['title']}\n\n", protocol_text(cfg, ctx),
         f"Regenerate: `{extra['command']}` (sittings of "
         f"{', '.join(map(str, extra.get('sittings_min') or ['(not recorded)']))} min wall on {extra['cores']} "
         f"cores; the recorded stages: {extra['cpu_min']:.1f} CPU min, "
         f"{extra['wall_min']:.1f} min of stage wall time, concurrent proxy runs each counted; settings "
-        "`examples/configs/rl_fault_matrix.yaml`; raw `metrics.jsonl` and `monitor.jsonl` of every run, gzipped, "
-        "under `docs/results/rl_fault_matrix/<seed>/<run>/`, the monitor's samples cut to the statistics its "
+        f"`examples/configs/{name}.yaml`; raw `metrics.jsonl` and `monitor.jsonl` of every run, gzipped, "
+        f"under `docs/results/{name}/<seed>/<run>/`, the monitor's samples cut to the statistics its "
         "detectors test: what `replay` reads, giving the same alerts).\n\n",
-        f"Per seed (tuning seeds {cfg['tuning_seeds']}, held-out seeds {cfg['heldout_seeds']}; the seed is `--seed` "
-        f"of every process: SFT initialisation, prompts, sampling, the random conversion): SFT "
-        f"({cfg['sft_iters']} steps) + GRPO warm-up ({cfg['warmup_rl_iters']} steps) of the original "
-        f"({o['num_experts']} experts, EP={o['expert_parallel']}, {o['ranks']} ranks), converted to "
-        f"{p['num_experts']} experts at EP={p['expert_parallel']} ({p['ranks']} rank); each run {cfg['run_iters']} "
-        f"GRPO steps from it, faults from step {cfg['onset']}, monitor on and recording its samples. Reward "
-        f"collapse: the {cfg['collapse']['window']}-step mean reward below {cfg['collapse']['factor']} × its mean "
-        "before the onset. A run the trainer stops at its first non-finite step (its default "
-        "`--check-for-nan-in-loss-and-grad`, grad-overflow) is listed as stopped, not as a collapse.\n\n",
+        setup_text(cfg),
         "**Protocol.** Thresholds come from `calibrate` (docs/monitor.md) on the healthy runs (original and proxy) "
         f"of the tuning seeds only, at R = {rate:g} runs with a false alarm per 1000 steps, form "
         f"`{cfg['calibrate_form']}`. Every alert on this page is the **replay** (`mindspeed-proxy replay`) of the "

@@ -76,7 +76,7 @@ def run_data(run_dir, onset: Optional[int], collapse: dict, alerts: Optional[lis
             "onset": onset, "alerts": len(alerts), "early_alerts": len(alerts) - len(after), "first": first,
             "families": families,
             "routing_alerts": sum(a["mechanism"].startswith(ROUTING) for a in after),
-            "topk_match_min": min((r["topk_match_mean"] for r in steps), default=None),
+            "topk_match_min": min((r["topk_match_mean"] for r in steps if "topk_match_mean" in r), default=None),
             "gap_steps": [r for r in steps if "gap_abs_mean" in r and (onset is None or r["iteration"] >= onset)]}
 
 
