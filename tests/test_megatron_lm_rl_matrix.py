@@ -22,7 +22,7 @@ ITERS, ONSET = 8, 5
 
 def _tiny(tmp: Path) -> Path:
     """The shipped config shrunk: 2 tuning runs per model (R = 100 per 1000 steps, so that k >= 1), one held-out
-    seed, a 20-iteration SFT, 8-iteration runs, the detectors' warm-up shortened to fit."""
+    seed, a 30-iteration SFT, 8-iteration runs, the detectors' warm-up shortened to fit."""
     configs = REPO / "examples" / "configs"
     for name, out in (("rl_fault_matrix_monitor.yaml", "monitor.yaml"),
                       ("megatron_rl_fault_matrix_calibrate.yaml", "calibrate.yaml")):
@@ -33,7 +33,7 @@ def _tiny(tmp: Path) -> Path:
         (tmp / out).write_text(yaml.safe_dump(cfg))
     cfg = yaml.safe_load((configs / "megatron_rl_fault_matrix.yaml").read_text())
     cfg["megatron"].update(sft_docs=400, run_timeout_s=900)
-    cfg.update(tuning_seeds=[11], heldout_seeds=[12], healthy_rl_seeds={"11": [1101]}, sft_iters=20,
+    cfg.update(tuning_seeds=[11], heldout_seeds=[12], healthy_rl_seeds={"11": [1101]}, sft_iters=30,
                run_iters=ITERS, onset=ONSET, monitor_config="monitor.yaml", calibrate_config="calibrate.yaml",
                faults={"none": None, "rollout-router-noise": "rollout-router-noise:start={onset},std=2.0"},
                expected_families={"rollout-router-noise": ["rl"]}, false_alarms_per_1000_steps=100.0)
@@ -50,7 +50,9 @@ def test_matrix_runs_train_rl_and_its_page_regenerates_from_the_raw_files(mlm, r
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     page = (tmp_path / "page.md").read_text()
     assert page.startswith("# RL fault matrix in Megatron-LM's train_rl.py") and "calibration FAILED" not in page
-    assert "- **Conditions.** all met" in page and "Megatron-LM's unmodified `train_rl.py`" in page
+    assert "Megatron-LM's unmodified `train_rl.py`" in page  # the tiny protocol is too small to hold, and says so:
+    assert ("- **Conditions.** UNMET: 1 held-out healthy runs × 8 steps = 8 < 1000 steps per model; 1 held-out seeds "
+            "per fault < 3") in page
     work = tmp_path / "work"
     runs = {"seed11": ["original_none", "proxy_none", "original_none_s1101", "proxy_none_s1101"],
             "seed12": ["original_none", "proxy_none", "original_rollout-router-noise", "proxy_rollout-router-noise"]}
@@ -61,7 +63,7 @@ def test_matrix_runs_train_rl_and_its_page_regenerates_from_the_raw_files(mlm, r
             assert done["returncode"] == 0 and done["ranks"] == (2 if name.startswith("original") else 1), done
             steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
             assert [s["iteration"] for s in steps] == list(range(1, ITERS + 1))
-            assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps) and not (run / "langrl").exists()
+            assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps) and not (run.parent / f"{name}.langrl").exists()
             samples = [json.loads(line) for line in open(run / "mechanism_monitor" / "monitor.jsonl")]
             rl = {r["step"]: r["layers"]["all"] for r in samples if r.get("type") == "sample" and r["family"] == "rl"}
             assert sorted(rl) == list(range(1, ITERS + 1)), sorted(rl)

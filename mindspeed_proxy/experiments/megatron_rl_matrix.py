@@ -44,12 +44,12 @@ def write_sft_jsonl(path, task_name: str, data_seed: int, docs: int, seq: int) -
             fh.write(json.dumps({"text": sft_text(prompt, task.answer(prompt), seq)}) + "\n")
 
 
-def rollout_metrics(run_dir) -> int:
+def rollout_metrics(run_dir, langrl) -> int:
     """Write `run_dir/metrics.jsonl` (a step record per iteration: its rollouts' mean reward) from the pickles in
-    `run_dir/langrl`, then remove them; the number of steps written."""
+    `langrl` (the run's LANGRL_LOG_DIR), then remove that folder; the number of steps written."""
     from mindspeed_proxy.experiments.megatron_rl_faults import rollout_rewards
 
-    langrl = Path(run_dir) / "langrl"
+    langrl = Path(langrl)
     rewards = rollout_rewards(langrl) if langrl.is_dir() else {}
     with open(Path(run_dir) / "metrics.jsonl", "w", encoding="utf-8") as fh:
         for step, reward in sorted(rewards.items()):
@@ -151,9 +151,15 @@ class MegatronRLMatrix(RLMatrix):
         flags += ["--inject-fault", spec] if spec else []
         flags += ["--mechanism-routing-replay", "r3"] if r3 else []
         cmd = torchrun(ranks, str(self.mlm / "train_rl.py"), flags + layout)
+        # Megatron-LM opens LANGRL_LOG_DIR/lang_rl.log at import: the folder must exist before the launch, and the
+        # run dir is emptied then, so it lies beside it (removed once the rewards are read)
+        langrl = self.work / "runs" / f"{name}.langrl"
+        shutil.rmtree(langrl, ignore_errors=True)
+        langrl.mkdir(parents=True)
         result = self._stage(name, model, fault, spec, ranks, cmd, c["run_iters"], run_dir, run_dir / "run.log",
-                             check=False, env={**self.env(), "LANGRL_LOG_DIR": str(run_dir / "langrl")},
-                             timeout=self.m["run_timeout_s"], after=rollout_metrics)
+                             check=False, env={**self.env(), "LANGRL_LOG_DIR": str(langrl)},
+                             timeout=self.m["run_timeout_s"], after=lambda folder: rollout_metrics(folder, langrl))
+        shutil.rmtree(langrl, ignore_errors=True)  # a reused run leaves it empty
         self.results.append(result)
         return result
 

@@ -28,15 +28,13 @@ LOOPS = ("grpo", "train_rl")  # mindspeed_proxy.rl.train, Megatron-LM's train_rl
 def load_rl_config(path) -> dict:
     """The RL matrix YAML (checked against experiments.config.RLFaultMatrix), with each fault spec's {onset}
     filled in (ValueError names a bad entry)."""
-    from mindspeed_proxy.experiments.config import RLFaultMatrix, read_typed
+    from mindspeed_proxy.experiments.config import MegatronLoop, RLFaultMatrix, read_typed
 
     path = Path(path).resolve()
     cfg = read_typed(path, RLFaultMatrix)
-    for f in dataclasses.fields(RLFaultMatrix):  # the schema's defaults for the keys the file leaves out
-        if f.name not in cfg and f.default is not dataclasses.MISSING:
-            cfg[f.name] = f.default
-        elif f.name not in cfg and f.default_factory is not dataclasses.MISSING:
-            cfg[f.name] = f.default_factory()
+    with_defaults(cfg, RLFaultMatrix)
+    if cfg["megatron"] is not None:
+        with_defaults(cfg["megatron"], MegatronLoop)
     cfg["faults"] = {k: (v.format(onset=cfg["onset"]) if v else None) for k, v in cfg["faults"].items()}
     bad = [f for f in cfg["r3_controls"] if f not in cfg["faults"]]
     if bad:
@@ -58,6 +56,16 @@ def load_rl_config(path) -> dict:
     cfg["healthy_rl_seeds"] = healthy_rl_seeds(path, cfg)
     cfg["config_path"] = str(path)
     return cfg
+
+
+def with_defaults(mapping: dict, schema) -> dict:
+    """`mapping` (a checked YAML mapping) with the dataclass `schema`'s defaults for the keys it leaves out."""
+    for f in dataclasses.fields(schema):
+        if f.name not in mapping and f.default is not dataclasses.MISSING:
+            mapping[f.name] = f.default
+        elif f.name not in mapping and f.default_factory is not dataclasses.MISSING:
+            mapping[f.name] = f.default_factory()
+    return mapping
 
 
 def healthy_rl_seeds(path, cfg) -> dict[int, list[int]]:

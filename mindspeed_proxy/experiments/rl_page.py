@@ -109,7 +109,7 @@ def protocol_text(cfg: dict, ctx: dict) -> str:
         f"{ {s: v for s, v in extra.items() if s in cfg['heldout_seeds']} }; every fault on the "
         f"{len(cfg['heldout_seeds'])} held-out warm-up seeds.\n"
         "- **Independence.** A warm-up seed sets `--seed` of SFT (initialisation, data), "
-        + ("GRPO warm-up and " if cfg.get("warmup_rl_iters") else "") + "conversion; an RL seed sets `--seed` of "
+        + ("GRPO warm-up and " if cfg.get("warmup_rl_iters") else "and ") + "conversion; an RL seed sets `--seed` of "
         "one GRPO run (its prompts and sampling) from that warm-up. Tuning "
         "and held-out runs share no warm-up and no RL seed; runs from one warm-up share its weights, so they are "
         "exchangeable with each other but not independent draws of the warm-up (the order-statistic promise "

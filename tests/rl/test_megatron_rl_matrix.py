@@ -27,6 +27,7 @@ CONFIG = ROOT / "examples" / "configs" / "megatron_rl_fault_matrix.yaml"
 def test_shipped_config_holds_the_protocol_and_names_only_known_flags():
     cfg = load_rl_config(CONFIG)
     assert cfg["loop"] == "train_rl" and cfg["megatron"]["seq_length"] == 16
+    assert cfg["megatron"]["sft_data_seed_offset"] == 1000  # a default of the schema the file leaves out
     stats = rl_protocol.tested_statistics(MonitorConfig.from_file(str(CONFIG.parent / cfg["calibrate_config"])))
     assert stats == ["rl/topk_match", "update-spectral/linear_qkv/frobenius"]
     check = rl_protocol.protocol_check(cfg, len(stats))
@@ -83,7 +84,7 @@ def test_rollout_metrics_write_the_mean_reward_per_iteration_and_drop_the_pickle
         expected[n + 1] = sum(r.reward for g in groups for r in g) / 12
         (langrl / f"rollouts_rank0_iteration{n}_cfg.pkl").write_bytes(pickle.dumps(groups))
     (langrl / "rollouts_rank1_iteration0_cfg.pkl").write_bytes(pickle.dumps([[SimpleNamespace(reward=99.0)]]))
-    assert rollout_metrics(tmp_path) == 4
+    assert rollout_metrics(tmp_path, langrl) == 4
     steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
     assert [s["iteration"] for s in steps] == [1, 2, 3, 6]
     assert all(s["type"] == "step" and abs(s["reward_mean"] - expected[s["iteration"]]) < 1e-12 for s in steps)
@@ -126,8 +127,14 @@ def test_run_commands_are_train_rl_with_the_run_seed_layout_fault_and_monitor(tm
     assert agent["seed"] == 1401 and agent["partial_credit"] == 0.5 and agent["task"] == "reverse"
     run_dir = m.work / "runs" / name
     assert cmd[cmd.index("--mechanism-monitor-output") + 1] == str(run_dir / "mechanism_monitor")
-    assert proxy_kw["env"]["LANGRL_LOG_DIR"] == str(run_dir / "langrl") and proxy_kw["timeout"] == 1800
-    assert proxy_kw["after"] is rollout_metrics and proxy_kw["check"] is False
+    langrl = Path(proxy_kw["env"]["LANGRL_LOG_DIR"])
+    assert langrl.parent == run_dir.parent and proxy_kw["timeout"] == 900 and proxy_kw["check"] is False
+    assert not langrl.exists()  # made before the launch (Megatron-LM opens its log there at import), then removed
+    (run_dir).mkdir(parents=True)
+    langrl.mkdir()
+    (langrl / "rollouts_rank0_iteration0_c.pkl").write_bytes(pickle.dumps([[SimpleNamespace(reward=0.25)]]))
+    proxy_kw["after"](run_dir)  # the hook reads that folder into the run's metrics.jsonl
+    assert json.loads((run_dir / "metrics.jsonl").read_text())["reward_mean"] == 0.25 and not langrl.exists()
     name, model, fault, spec, ranks, cmd = orig_args[:6]
     assert (name, ranks, spec) == ("original_lr-spike", 2, "lr-spike:start=20,x=50")
     assert cmd[cmd.index("--seed") + 1] == "12" and cmd[cmd.index("--load") + 1] == str(m.sft)
