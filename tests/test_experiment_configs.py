@@ -52,7 +52,7 @@ def test_every_shipped_yaml_loads_through_its_typed_config(name):
      "rl_fault_matrix.yaml: false_alarms_per_1000_steps: expected float, got 'often'"),
     ("megatron_rl_fault_matrix.yaml", "  sft_docs: 20000", "  sft_doc: 20000",
      "megatron_rl_fault_matrix.yaml: megatron.sft_doc: unknown key"),
-    ("megatron_rl_fault_matrix.yaml", "run_timeout_s: 1800", "run_timeout_s: long",
+    ("megatron_rl_fault_matrix.yaml", "run_timeout_s: 900", "run_timeout_s: long",
      "megatron_rl_fault_matrix.yaml: megatron.run_timeout_s: expected float, got 'long'"),
 ])
 def test_a_typo_or_a_mistyped_value_names_the_file_and_the_key(tmp_path, name, old, new, message):
