@@ -66,14 +66,18 @@ class MegatronRLMatrix(RLMatrix):
                  reuse: bool = False):
         super().__init__(cfg, work_dir, root, progress, seed, reuse)
         self.mlm = Path(megatron_lm).resolve()
+        if str(self.mlm) not in sys.path:  # the rollout pickles hold megatron.rl objects
+            sys.path.append(str(self.mlm))
         self.m = cfg["megatron"]
         self.warm = self.sft  # what the original's runs load and the converter reads
         self.tokenizer = self.work / "tokenizer"
 
     def env(self) -> dict:
-        """Added to the pinned environment of every stage: the interpreter's folders first on PATH."""
-        return {"PATH": os.pathsep.join([os.path.dirname(sys.executable), os.path.join(sys.base_prefix, "bin"),
-                                         os.environ.get("PATH", "")])}
+        """Added to the pinned environment of every stage: the checkout first on PYTHONPATH, the interpreter's folders
+        first on PATH (Megatron-LM's dataset helper builds with whatever `python3-config` is there)."""
+        path = [os.path.dirname(sys.executable), os.path.join(sys.base_prefix, "bin"), os.environ.get("PATH", "")]
+        return {"PATH": os.pathsep.join(path),
+                "PYTHONPATH": os.pathsep.join(p for p in [str(self.mlm), os.environ.get("PYTHONPATH", "")] if p)}
 
     def warmup(self) -> None:
         """The tokenizer folder, the SFT documents through preprocess_data.py, then pretrain_gpt.py SFT on the

@@ -129,6 +129,7 @@ def test_run_commands_are_train_rl_with_the_run_seed_layout_fault_and_monitor(tm
     assert cmd[cmd.index("--mechanism-monitor-output") + 1] == str(run_dir / "mechanism_monitor")
     langrl = Path(proxy_kw["env"]["LANGRL_LOG_DIR"])
     assert langrl.parent == run_dir.parent and proxy_kw["timeout"] == 900 and proxy_kw["check"] is False
+    assert proxy_kw["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(mlm.resolve())  # its optional rows need it
     assert not langrl.exists()  # made before the launch (Megatron-LM opens its log there at import), then removed
     (run_dir).mkdir(parents=True)
     langrl.mkdir()
