@@ -97,7 +97,7 @@ class MegatronRLMatrix(RLMatrix):
             [sys.executable, str(self.mlm / "tools" / "preprocess_data.py"), "--input", str(data / "sft.jsonl"),
              "--output-prefix", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
              str(self.tokenizer), "--workers", "1"],
-            0, self.work / "sft_data_done", self.work / "preprocess.log", env=self.env()))
+            0, self.work / "preprocess", self.work / "preprocess.log", env=self.env()))
         flags = [*m["arch_args"], *m["sft_args"], "--tokenizer-model", str(self.tokenizer), "--num-experts",
                  str(o["num_experts"]), "--expert-model-parallel-size", str(o["expert_parallel"]), "--seed",
                  str(self.seed), "--data-path", f"{prefix}_text_document", "--train-iters", str(c["sft_iters"]),

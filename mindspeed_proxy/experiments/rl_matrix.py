@@ -114,6 +114,15 @@ def command_hash(cmd: list[str]) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+def planned_names(cfg: dict, seed: int, faults) -> list[str]:
+    """The names of the runs seed `seed` makes with `faults` (tuning or held-out, extra healthy runs included)."""
+    extra = [f"{m}_none_s{rl}" for m in MODELS for rl in cfg["healthy_rl_seeds"].get(seed, [])]
+    if seed in cfg["tuning_seeds"]:
+        return [f"{m}_none" for m in MODELS] + extra
+    return extra + [f"{m}_{f}{r}" for m in MODELS for f in faults
+                    for r in ("", "_r3") if not r or f in cfg["r3_controls"]]
+
+
 class RLMatrix:
     """Builds and runs the RL experiment of a loaded config for one seed under `work_dir`."""
 
@@ -224,11 +233,7 @@ class RLMatrix:
 
     def planned(self, faults) -> list[str]:
         """The names of the runs this seed makes (tuning or held-out, extra healthy runs included)."""
-        extra = [f"{m}_none_s{rl}" for m in MODELS for rl in self.cfg["healthy_rl_seeds"].get(self.seed, [])]
-        if self.seed in self.cfg["tuning_seeds"]:
-            return [f"{m}_none" for m in MODELS] + extra
-        return extra + [f"{m}_{f}{r}" for m in MODELS for f in faults
-                        for r in ("", "_r3") if not r or f in self.cfg["r3_controls"]]
+        return planned_names(self.cfg, self.seed, faults)
 
     def recorded(self, faults) -> bool:
         """Whether every planned run already has a completed record (then no warm-up is needed)."""

@@ -116,7 +116,27 @@ def protocol_text(cfg: dict, ctx: dict) -> str:
         "assumes a new run exchangeable with the tuning runs).\n"
         f"- **Cost.** {plan['warmups']} warm-ups, {plan['runs']['original']} original and {plan['runs']['proxy']} "
         f"proxy runs of {cfg['run_iters']} steps: {cpu}.\n"
-        f"- **Conditions.** " + ("all met" if not pc["unmet"] else "UNMET: " + "; ".join(pc["unmet"])) + "\n\n")
+        f"- **Conditions.** " + ("all met" if not pc["unmet"] else "UNMET: " + "; ".join(pc["unmet"])) + "\n"
+        + recorded_text(cfg, ctx.get("stages") or {}) + "\n")
+
+
+def recorded_text(cfg: dict, stages: dict) -> str:
+    """'' when every planned run has a record, else a bullet naming how many of them do and which are missing."""
+    from mindspeed_proxy.experiments.rl_matrix import planned_names
+
+    planned = {s: planned_names(cfg, s, cfg["faults"]) for s in [*cfg["tuning_seeds"], *cfg["heldout_seeds"]]}
+    missing = {s: [n for n in names if (s, n) not in stages] for s, names in planned.items()}
+    absent, total = sum(map(len, missing.values())), sum(map(len, planned.values()))
+    if not absent:
+        return ""
+
+    def names(seed):
+        gone = missing[seed]
+        return "all" if len(gone) == len(planned[seed]) else ", ".join(gone[:4]) + (", ..." if len(gone) > 4 else "")
+
+    where = "; ".join(f"seed {s}: {len(v)} ({names(s)})" for s, v in missing.items() if v)
+    return (f"- **Recorded so far: {total - absent} of {total} planned runs** (the tables below cover only these; "
+            f"missing: {where}).\n")
 
 
 def setup_text(cfg: dict) -> str:

@@ -172,3 +172,18 @@ def test_driver_refuses_a_train_rl_config_without_a_checkout(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and out.stderr.count("error:") == 1 and "not a Megatron-LM checkout" in out.stderr
     assert not (tmp_path / "work").exists() and not (tmp_path / "p.md").exists()
+
+
+def test_a_partial_matrix_says_how_many_planned_runs_its_tables_cover():
+    """The page's protocol names the recorded share of the planned runs and the missing ones; nothing when whole."""
+    from mindspeed_proxy.experiments.rl_matrix import planned_names
+    from mindspeed_proxy.experiments.rl_page import recorded_text
+
+    cfg = load_rl_config(CONFIG)
+    stages = {(11, "proxy_none"): None, (11, "proxy_none_s1101"): None}
+    assert recorded_text(cfg, stages) == (
+        "- **Recorded so far: 2 of 38 planned runs** (the tables below cover only these; missing: seed 11: 4 "
+        "(original_none, original_none_s1101, original_none_s1102, proxy_none_s1102); seed 12: 6 (all); seed 13: 6 "
+        "(all); seed 14: 20 (all)).\n")
+    whole = {(s, n): None for s in (11, 12, 13, 14) for n in planned_names(cfg, s, cfg["faults"])}
+    assert len(whole) == 38 and recorded_text(cfg, whole) == ""
