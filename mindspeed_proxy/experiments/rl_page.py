@@ -33,7 +33,8 @@ def cost_rows(results: list) -> list[dict]:
     for r in results:
         if r.cpu_s is None:  # a run kept from an earlier sitting whose cost was not recorded per run
             continue
-        kind = r.name.split("_")[0] if r.name.startswith(("sft", "warmup", "convert", "e4")) else f"run ({r.model})"
+        kind = r.name.split("_")[0] if r.name.startswith(("preprocess", "sft", "warmup", "convert", "e4")) \
+            else f"run ({r.model})"
         k = kinds.setdefault(kind, {"stage": kind, "count": 0, "steps": 0, "wall_s": 0.0, "cpu_s": 0.0})
         k["count"] += 1
         k["steps"] += r.iters

@@ -187,3 +187,16 @@ def test_a_partial_matrix_says_how_many_planned_runs_its_tables_cover():
         "(all); seed 14: 20 (all)).\n")
     whole = {(s, n): None for s in (11, 12, 13, 14) for n in planned_names(cfg, s, cfg["faults"])}
     assert len(whole) == 38 and recorded_text(cfg, whole) == ""
+
+
+def test_cost_rows_keep_the_preprocess_stage_out_of_the_runs():
+    from mindspeed_proxy.experiments.rl_page import cost_rows
+
+    def stage(name, model, iters, cpu):
+        return SimpleNamespace(name=name, model=model, iters=iters, wall_s=cpu, cpu_s=cpu)
+
+    rows = {r["stage"]: r for r in cost_rows([
+        stage("preprocess", "original", 0, 10.0), stage("sft", "original", 800, 500.0),
+        stage("original_none", "original", 100, 300.0), stage("proxy_none", "proxy", 100, 200.0)])}
+    assert rows["preprocess"]["count"] == 1 and rows["run (original)"]["count"] == 1
+    assert rows["run (original)"]["wall_s_per_step"] == 3.0 and rows["total"]["cpu_s"] == 1010.0
