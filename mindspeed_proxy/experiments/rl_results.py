@@ -148,7 +148,8 @@ def trim_layers(family: str, layers: dict, tested: set) -> dict:
 
 
 def trimmed_monitor(path) -> str:
-    """monitor.jsonl with every sample cut to the statistics its recorded config tests (what replay reads)."""
+    """monitor.jsonl with every sample cut to the statistics its recorded config tests (what replay reads) and
+    its output folder without this machine's path."""
     from mindspeed_proxy.monitor.config import MonitorConfig
     from mindspeed_proxy.report.replay import per_layer_metrics
 
@@ -159,6 +160,8 @@ def trimmed_monitor(path) -> str:
         rec = json.loads(line)
         if rec.get("type") == "config":
             config = MonitorConfig.from_dict(rec["config"])
+            if rec["config"].get("output_dir"):  # this machine's path: kept as the folder's own name
+                rec = {**rec, "config": {**rec["config"], "output_dir": Path(rec["config"]["output_dir"]).name}}
         elif rec.get("type") == "sample" and config is not None and rec.get("family"):
             tested = set(config.tested_metrics(rec["family"], per_layer_metrics(rec["family"], rec["layers"])))
             rec = {**rec, "layers": trim_layers(rec["family"], rec["layers"], tested)}
