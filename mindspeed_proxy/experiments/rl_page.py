@@ -210,18 +210,20 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "seed: the proxy's distance to that seed's original ≤ band; same collapse outcome (collapsed or not); same "
         "first-alert family (none = none). Met when all three hold on every seed. The old column: Pearson of the "
         "same curves per seed.\n\n", _table(H.e3_band_rows(cfg, data, held)),
-        "\n## lowp-attention: the attention-spectral statistics' noise floor vs the fault's signal\n\n",
-        "Per seed: the healthy run's standard deviation across its samples (after `detect_start`) of each tested "
-        "attention-spectral statistic (layer mean), and the lowp-attention run's mean shift from the healthy run "
-        "over the same steps after the onset (same seed, same warm-up, so the shift is the fault's).\n\n",
-        _table(ctx["noise"]),
-        "\n" + H.noise_floor_verdict(ctx["noise"], cfg["faults"].get("lowp-attention") or "lowp-attention"),
+        *(["\n## lowp-attention: the attention-spectral statistics' noise floor vs the fault's signal\n\n",
+           "Per seed: the healthy run's standard deviation across its samples (after `detect_start`) of each tested "
+           "attention-spectral statistic (layer mean), and the lowp-attention run's mean shift from the healthy run "
+           "over the same steps after the onset (same seed, same warm-up, so the shift is the fault's).\n\n",
+           _table(ctx["noise"]),
+           "\n" + H.noise_floor_verdict(ctx["noise"], cfg["faults"]["lowp-attention"])]
+          if "lowp-attention" in cfg["faults"] else []),  # sections of what the config does not run are left out
         "\n## Every held-out run\n\n", _table(run_rows(cfg, data, held)),
-        "\nR3 control (routing replay of the rollout's routing): the routing-mismatch alerts must vanish.\n\n",
-        _table(r3),
+        *(["\nR3 control (routing replay of the rollout's routing): the routing-mismatch alerts must vanish.\n\n",
+           _table(r3)] if cfg["r3_controls"] else []),
         *(["\n## Train–rollout logprob-gap decomposition (every recorded run; steps from the onset; shares of "
            "Σ|term|)\n\n", _table(gap)] if (gap := gap_rows(cfg, data)) else []),
-        f"\n## E4: task reward (held-out prompts, seed {cfg['heldout_seeds'][0]})\n\n", _table(e4_rows),
+        *([f"\n## E4: task reward (held-out prompts, seed {cfg['heldout_seeds'][0]})\n\n", _table(e4_rows)]
+          if cfg.get("e4_eval_prompts") else []),
         "\n## Cost (every recorded stage, all seeds)\n\n", _table(cost_rows(ctx["results"])),
     ]
     return "".join(parts)
