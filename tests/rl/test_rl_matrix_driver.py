@@ -54,9 +54,11 @@ def test_page_tables_and_false_alarms_match_the_replayed_records(matrix):
     tmp, _, out = matrix
     page = (tmp / "page.md").read_text()
     for heading in ("## Detection before the reward collapse", "## False alarms on the held-out healthy runs",
-                    "## The proxy calibrates the original", "## E3: does the proxy reproduce", "## lowp-attention",
+                    "## The proxy calibrates the original", "## E3: does the proxy reproduce",
                     "## Every held-out run", "## Cost"):
         assert heading in page
+    # sections of what this config does not run (no lowp-attention fault, no R3 control, no E4) are left out
+    assert "## lowp-attention" not in page and "R3 control" not in page and "## E4" not in page
     calibrated = MonitorConfig.from_file(str(tmp / "work/calibration/all.yaml"))
     # the tuning runs: both models' healthy runs of seed 1 and of its RL seed 101
     assert calibrated.calibration["tuning_runs"] == 4 and calibrated.calibration["false_alarms_per_1000_steps"] == 50.0
