@@ -22,17 +22,17 @@ import argparse
 import json
 import os
 import re
-import shlex
-import signal
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from mindspeed_proxy.experiments.matrix import TIMED_OUT, launch, torchrun  # noqa: E402
 from mindspeed_proxy.experiments.megatron_rl_faults import FaultRun, rollout_rewards, summarize, table  # noqa: E402
 from mindspeed_proxy.experiments.rl_matrix import read_jsonl  # noqa: E402
+from mindspeed_proxy.proxy.printed_launch import read_launch  # noqa: E402
 
 SEQ = 16  # train_rl.py: prompt + response (the digit task's longest is 14 tokens with EOD)
 ARCH = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
@@ -80,28 +80,14 @@ def child_env() -> dict:
     return {**os.environ, **PINNED_ENV, "PATH": path, "PYTHONPATH": pythonpath}
 
 
-TIMED_OUT = 124  # the rc of a run stopped by --run-timeout (as timeout(1) reports it)
-
-
 def run(cmd: list[str], log: str, cwd: str, env: dict, check: bool = True,
         timeout: float | None = None) -> tuple[float, int]:
-    """Run `cmd` with its output in `log`; with `check`, exits naming the log on failure; (wall seconds, rc).
-    Past `timeout` seconds the whole process group is killed and rc is TIMED_OUT."""
-    start = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as fh:
-        fh.write("$ " + shlex.join(cmd) + "\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = TIMED_OUT
-            fh.write(f"\nTimeoutError: no exit after {timeout:.0f} s (--run-timeout); every process killed\n")
+    """Run `cmd` in `cwd` with its output in `log` (experiments.matrix.launch: past `timeout` seconds the whole
+    process group is killed and rc is TIMED_OUT); with `check`, exits naming the log on failure; (wall s, rc)."""
+    rc, _, wall = launch(cmd, Path(log), env=env, timeout=timeout, cwd=cwd)
     if rc and check:
         sys.exit(f"megatron_rl_faults: {os.path.basename(log)[:-4]} failed (exit {rc}); see {log}")
-    return time.perf_counter() - start, rc
+    return wall, rc
 
 
 def first_error(log: str) -> str:
@@ -116,12 +102,6 @@ def last_line(log: str) -> str:
     with open(log, encoding="utf-8", errors="replace") as fh:
         lines = [line.strip() for line in fh if line.strip() and not line.startswith("TimeoutError: no exit")]
     return lines[-1] if lines else ""
-
-
-def torchrun(ranks: int, script: str, flags: list[str]) -> list[str]:
-    """`torchrun --nproc-per-node N -m mindspeed_proxy.run SCRIPT FLAGS`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
-            "-m", "mindspeed_proxy.run", script, *flags]
 
 
 def prepare_sft(a, work: str, mlm: str, env: dict, say) -> str:
@@ -154,10 +134,8 @@ def convert(work: str, ckpt: str, env: dict, say) -> tuple[list[str], int]:
         seconds, _ = run([sys.executable, os.path.join(ROOT, "convert_to_proxy.py"), "--load", ckpt, "--save", proxy,
                        "--target-expert-parallel-size", "1", "--target-num-experts", "4"], log, work, env)
         say(f"convert_to_proxy.py: 8 experts EP=2 -> 4 experts EP=1 ({seconds:.0f} s)")
-    text = open(log, encoding="utf-8").read()
-    flags = re.findall(r"^launch flags: (.*)$", text, re.M)
-    world = re.search(r"^accelerators: \d+ -> (\d+) ", text, re.M)
-    return shlex.split(flags[-1]), int(world.group(1))
+    world, flags = read_launch(open(log, encoding="utf-8").read(), log)
+    return flags, world
 
 
 def launch(a, work: str, mlm: str, env: dict, spec: FaultRun, proxy: tuple, say) -> dict:

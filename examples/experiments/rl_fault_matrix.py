@@ -129,6 +129,8 @@ def main(argv=None) -> int:
             a.megatron_lm and os.path.isfile(os.path.join(a.megatron_lm, "train_rl.py"))):
         p.error(f"--megatron-lm {a.megatron_lm!r}: not a Megatron-LM checkout with train_rl.py (the config's loop is "
                 "train_rl; set MEGATRON_LM_PATH or pass --megatron-lm)")
+    if cfg["loop"] == "train_rl" and not a.tables_only:
+        sys.path.append(os.path.abspath(a.megatron_lm))  # the rollout pickles hold megatron.rl objects
     progress = Progress()
     work = os.path.abspath(a.work_dir or os.path.join(ROOT, "runs", name))
     raw = a.raw_dir or os.path.splitext(os.path.abspath(a.out))[0]

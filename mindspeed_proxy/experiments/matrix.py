@@ -107,14 +107,16 @@ def steal_fraction(start: tuple[int, int], end: tuple[int, int]) -> float | None
 TIMED_OUT = 124  # the return code of a command killed at its timeout (as timeout(1) reports it)
 
 
-def launch(cmd: list[str], log_path: Path, env: dict | None = None,
-           timeout: float | None = None) -> tuple[int, float, float]:
-    """Run `cmd` with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds). Past
-    `timeout` seconds its whole process group is killed, a line saying so ends the log and the code is TIMED_OUT."""
+def launch(cmd: list[str], log_path: Path, env: dict | None = None, timeout: float | None = None,
+           cwd=None) -> tuple[int, float, float]:
+    """Run `cmd` (in `cwd`) with output to `log_path`; (return code, CPU seconds of its process tree, wall seconds).
+    Past `timeout` seconds its whole process group is killed, a line saying so ends the log and the code is
+    TIMED_OUT."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0, fired = time.time(), []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=timeout is not None,
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=timeout is not None,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         timer = None
         if timeout is not None:

@@ -66,8 +66,6 @@ class MegatronRLMatrix(RLMatrix):
                  reuse: bool = False):
         super().__init__(cfg, work_dir, root, progress, seed, reuse)
         self.mlm = Path(megatron_lm).resolve()
-        if str(self.mlm) not in sys.path:  # the rollout pickles hold megatron.rl objects
-            sys.path.append(str(self.mlm))
         self.m = cfg["megatron"]
         self.warm = self.sft  # what the original's runs load and the converter reads
         self.tokenizer = self.work / "tokenizer"
@@ -125,15 +123,10 @@ class MegatronRLMatrix(RLMatrix):
             return o["ranks"], ["--num-experts", str(o["num_experts"]), "--expert-model-parallel-size",
                                 str(o["expert_parallel"]), "--load", str(self.sft), "--finetune", "--no-load-optim",
                                 "--no-load-rng"]
-        import re
-        import shlex
+        from mindspeed_proxy.proxy.printed_launch import read_launch
 
-        text = (self.work / "convert_cluster.log").read_text(encoding="utf-8")
-        flags = re.findall(r"^launch flags: (.*)$", text, re.M)
-        world = re.search(r"^accelerators: \d+ -> (\d+) ", text, re.M)
-        if not flags or world is None:
-            raise RuntimeError(f"{self.work / 'convert_cluster.log'}: no 'launch flags:' / 'accelerators:' line")
-        return int(world.group(1)), shlex.split(flags[-1])
+        log = self.work / "convert_cluster.log"
+        return read_launch(log.read_text(encoding="utf-8"), str(log))
 
     def run(self, fault: str, model: str, r3: bool = False, evals: int = 0,
             rl_seed: Optional[int] = None) -> RunResult:

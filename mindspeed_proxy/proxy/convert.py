@@ -17,6 +17,7 @@ from mindspeed_proxy.proxy.io.legacy.writer import write_legacy
 from mindspeed_proxy.proxy.io.layer_summary import describe_layer_types, layer_type_summary
 from mindspeed_proxy.proxy.io.manifest import build_manifest, write_manifest
 from mindspeed_proxy.proxy.plan import describe, launch_flags, make_plan
+from mindspeed_proxy.proxy.printed_launch import launch_lines
 from mindspeed_proxy.proxy.verify.legacy import verify_legacy
 
 
@@ -177,9 +178,8 @@ def _write(ckpt, save: Optional[str], options: Options, dry_run: bool, echo: Cal
     if ckpt.format == "hf":
         echo(f"load with: AutoModelForCausalLM.from_pretrained({save!r}) ({plan.target.num_experts} experts)")
         return plan
-    echo(f"launch flags: {launch_flags(plan, save)}")
-    echo(f"accelerators: {plan.source.world_size} -> {plan.target.world_size} "
-         f"(TP={plan.target.tp} x PP={plan.target.pp} x DP={plan.target.dp}, EP={plan.target.ep})")
+    for line in launch_lines(launch_flags(plan, save), plan.source.world_size, plan.target):
+        echo(line)
     return plan
 
 

@@ -10,6 +10,7 @@ import torch
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
 from mindspeed_proxy.testing import run_distributed
+from mindspeed_proxy.proxy.printed_launch import read_launch
 
 from helpers import dist_common, forward, load_model, mask_router  # noqa: E402  (tests/proxy is on sys.path)
 from test_proxy_dist import _convert as convert_subprocess, read_all  # noqa: E402
@@ -120,6 +121,9 @@ def test_dist_pp2_vpp2_proxy_reshards_and_matches_masked_original(dist_checkpoin
                      "--num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 1 --num-experts 4 "
                      f"--ckpt-format torch_dist --load {out} --dist-ckpt-strictness raise_all "
                      "--finetune --no-load-optim --no-load-rng"], run.stdout  # the whole layout, nothing implied
+    world = re.search(r"^accelerators: \d+ -> (\d+) \(TP=1 x PP=2 x DP=(\d+), EP=1\)$", run.stdout, re.M)
+    assert int(world.group(1)) == 2 * int(world.group(2))
+    assert read_launch(run.stdout) == (int(world.group(1)), flags[0].split()[2:])  # what launching scripts read
     kept, _ = _kept(out)
     assert sorted(kept) == [0, 1, 2, 3]
     source, proxy = read_all(os.path.join(src, ITER2)), read_all(os.path.join(out, ITER2))

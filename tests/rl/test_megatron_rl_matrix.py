@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,19 @@ def _convert_log(work: Path, proxy: Path) -> None:
         "--no-load-optim --no-load-rng\naccelerators: 2 -> 1 (TP=1 x PP=1 x DP=1, EP=1)\n")
 
 
+def test_a_conversion_log_without_its_launch_lines_is_named(tmp_path):
+    """The proxy's runs need the converter's printed launch flags and accelerators: a log without them (a conversion
+    that stopped early) is one error naming that log, before anything is launched."""
+    m = MegatronRLMatrix(load_rl_config(CONFIG), tmp_path / "seed12", ROOT, tmp_path / "mlm", seed=12)
+    m.work.mkdir(parents=True)
+    (m.work / "convert_cluster.log").write_text("planning...\nlaunch flags: --num-experts 4\n")
+    with pytest.raises(ValueError, match=re.escape(f"{m.work / 'convert_cluster.log'}: no 'launch flags:'")):
+        m.launch_flags("proxy")
+    _convert_log(m.work, m.work / "proxy_cluster")
+    ranks, flags = m.launch_flags("proxy")
+    assert ranks == 1 and flags[flags.index("--load") + 1] == str(m.work / "proxy_cluster") and len(flags) == 15
+
+
 def test_run_commands_are_train_rl_with_the_run_seed_layout_fault_and_monitor(tmp_path):
     """The original loads the SFT checkpoint on 2 ranks at EP=2; the proxy takes the converter's printed flags and
     rank count; an RL seed sets --seed, the agent's prompt stream and the rollout noise's seed; the run's
@@ -161,8 +175,9 @@ def test_launch_kills_the_whole_process_group_at_its_timeout(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the command's child {child} survived the timeout")
-    rc, _, _ = launch([sys.executable, "-c", "print('quick')"], tmp_path / "quick.txt", timeout=60)
-    assert rc == 0 and (tmp_path / "quick.txt").read_text() == "quick\n"
+    rc, _, _ = launch([sys.executable, "-c", "import os; print('quick', os.getcwd())"], tmp_path / "quick.txt",
+                      timeout=60, cwd=tmp_path)  # examples/megatron_rl_faults.py runs its stages in its work dir
+    assert rc == 0 and (tmp_path / "quick.txt").read_text() == f"quick {tmp_path}\n"
 
 
 def test_driver_refuses_a_train_rl_config_without_a_checkout(tmp_path):
