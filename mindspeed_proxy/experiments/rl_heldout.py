@@ -99,6 +99,39 @@ def false_alarm_rows(data: dict, seeds) -> list[dict]:
     return [false_alarm_row(model, healthy_records(data, seeds, model)) for model in MODELS]
 
 
+def promise_verdict(data: dict, seeds, rate: float) -> str:
+    """Per model, the held-out runs alarmed per 1000 steps against the promised `rate`: kept (measured ≤ rate),
+    above it (the 95% interval still includes it) or BROKEN (the whole interval lies above it)."""
+    parts = []
+    for model in MODELS:
+        row = false_alarm_row(model, healthy_records(data, seeds, model))
+        measured, interval = row["runs alarmed per 1000 steps"], row["runs alarmed 95% interval"]
+        if measured is None:
+            parts.append(f"{model}: no held-out healthy run")
+            continue
+        low = float(interval.strip("[]").split(",")[0])
+        word = ("kept" if measured <= rate else "BROKEN: the whole 95% interval lies above it" if low > rate
+                else "above it, but its 95% interval includes it")
+        parts.append(f"{model} {measured:.2f} {interval} ({row['runs alarmed']} of {row['count']} runs): {word}")
+    return f"Promise ≤ {rate:g} runs alarmed per 1000 steps: " + "; ".join(parts)
+
+
+def false_alarms_by_seed(data: dict, seeds) -> list[dict]:
+    """Per held-out warm-up seed and model: its healthy runs, how many alarmed, and the statistics that alerted
+    (runs from one warm-up share its weights: the intervals above count them as independent)."""
+    rows = []
+    for seed in seeds:
+        for model in MODELS:
+            recs = healthy_records(data, [seed], model)
+            if recs:
+                stats = sorted({f"{a['family']}/{a['metric']}" for d in recs for a in d["alert_list"]})
+                rows.append({"seed": seed, "model": model, "healthy runs": len(recs),
+                             "runs alarmed": sum(d["alerts"] > 0 for d in recs),
+                             "alerts": sum(d["alerts"] for d in recs), "statistics that alerted": ", ".join(stats)
+                             or "none"})
+    return rows
+
+
 def transfer_rows(cfg: dict, by_source: dict, seeds) -> list[dict]:
     """The original's held-out runs under thresholds calibrated on the original's and on the proxy's healthy
     tuning runs: per fault the detection rate, and the false alarms; `by_source` {source: data}."""

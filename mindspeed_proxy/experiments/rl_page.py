@@ -63,6 +63,19 @@ def calibration_text(name: str, cal: dict) -> str:
             (f". Left at the base config's detector (no threshold from these runs): {unc}" if unc else "") + "\n")
 
 
+def zero_threshold_text(ctx: dict) -> str:
+    """A note on the thresholds of 0 (every tuning run scored 0: the statistic never moved past its baseline in
+    its alert direction), when there are any."""
+    zero = sorted({k for cal in ctx["calibrations"].values() for k, v in cal.get("thresholds", {}).items()
+                   if v["threshold"] == 0})
+    if not zero:
+        return ""
+    return (f"A threshold of 0 ({', '.join(zero)}): every healthy tuning run scored 0 on that statistic, i.e. never "
+            "moved past its baseline in the alert direction, so the k-th largest score is 0 and any such move of a "
+            "held-out run alerts. The bound k/(N + 1) still holds (ties only make it conservative), for held-out "
+            "runs exchangeable with the tuning runs: it rests on the tuning runs moving as held-out runs do.\n\n")
+
+
 def stage_costs(results: list) -> dict:
     """Mean recorded CPU seconds: per SFT + warm-up + conversion of a seed, per run of each model."""
     def mean(rs):
@@ -187,7 +200,7 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "Thresholds (z, or the CUSUM's h) per statistic; `gumbel`: extrapolated from a Gumbel fit to the tuning "
         "runs' maximum scores, no distribution-free guarantee (an order statistic needs ≥ S/q − 1 tuning runs, q = "
         "R × run length / 1000, S statistics):\n\n",
-        "".join(calibration_text(k, v) for k, v in ctx["calibrations"].items()), "\n",
+        "".join(calibration_text(k, v) for k, v in ctx["calibrations"].items()), "\n", zero_threshold_text(ctx),
         "".join(f"- {note}\n" for note in extra.get("notes", [])) + ("\n" if extra.get("notes") else ""),
         "## Detection before the reward collapse (held-out seeds)\n\n",
         "Detected: the first alert at or after the onset comes strictly before the collapse. Lead: collapse − first "
@@ -199,6 +212,8 @@ def markdown(cfg: dict, ctx: dict) -> str:
         "with exact 95% intervals (Clopper–Pearson on runs alarmed / runs, scaled by 1000 / run length; Garwood "
         "on the alert count).\n\n",
         _table(H.false_alarm_rows(data, held)),
+        f"\n{H.promise_verdict(data, held, rate)}.\n\nBy held-out warm-up seed:\n\n",
+        _table(H.false_alarms_by_seed(data, held)),
         "\n## The proxy calibrates the original\n\n",
         "The original's held-out runs replayed with thresholds calibrated on the proxy's healthy tuning runs only, "
         "next to thresholds calibrated on the original's own healthy tuning runs.\n\n",

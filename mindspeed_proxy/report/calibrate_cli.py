@@ -183,7 +183,10 @@ def main(argv=None) -> int:
         for (family, metric), res in sorted(results.items()):
             guarantee = (f"P(alarm) ≤ {res['promised']:.3g} per run (k={res['k']} of N={res['runs']})"
                          if res["tail"] == "order" else f"Gumbel fit on N={res['runs']}: extrapolated, no guarantee")
-            print(f"  [{form}] {family}/{metric}: {FORMS[form][1]} = {res['threshold']:.4g}; {guarantee}")
+            print(f"  [{form}] {family}/{metric}: {FORMS[form][1]} = {res['threshold']:.4g}; {guarantee}"
+                  + ("; every tuning run scored 0 (never past its baseline in the alert direction): any such move of "
+                     "a new run alerts, so tune on runs from as many starts (checkpoints, seeds) as the new runs "
+                     "will have" if res["threshold"] == 0 else ""))
         for stat, reason in cfg.calibration["uncalibrated"].items():
             print(f"  [{form}] {stat}: NOT calibrated, keeps the base config's detector: {reason}")
         total = sum(res["promised"] for res in results.values())

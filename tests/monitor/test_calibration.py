@@ -290,3 +290,17 @@ def test_help_and_old_configs_stay_valid():
         MonitorConfig.from_dict({"metric_detectors": {"router": {"entropy": {"z_threshold": "high"}}}})
     with pytest.raises(ValueError, match="metric_detectors: 'loss'"):
         MonitorConfig.from_dict({"metric_detectors": {"loss": {}}})
+
+
+def test_a_threshold_of_zero_is_printed_with_what_it_means(tmp_path, capsys):
+    """Tuning runs whose statistic never leaves its baseline all score 0: the order statistic is 0 (any move of a
+    new run alerts), which the command says next to the threshold."""
+    tuning = [write_run(tmp_path / f"flat{i}", [1.0] * T) for i in range(3)]  # q = 5 × 50 / 1000 = 0.25: N ≥ 3
+    rc, stdout, stderr = calibrate(capsys, *tuning, "--false-alarms-per-1000-steps", "5", "--out",
+                                   str(tmp_path / "m.yaml"), "--forms", "frozen", "--tail", "order")
+    assert rc == 0, stderr
+    assert "rl/topk_match: z_threshold = 0; P(alarm) ≤ 0.25 per run (k=1 of N=3); every tuning run scored 0" in stdout
+    noisy = [write_run(tmp_path / f"noisy{i}", iid(random.Random(i), T)) for i in range(3)]
+    rc, stdout, _ = calibrate(capsys, *noisy, "--false-alarms-per-1000-steps", "5", "--out",
+                              str(tmp_path / "n.yaml"), "--forms", "frozen", "--tail", "order")
+    assert rc == 0 and "every tuning run scored 0" not in stdout and "k=1 of N=3" in stdout

@@ -215,3 +215,15 @@ def test_cost_rows_keep_the_preprocess_stage_out_of_the_runs():
         stage("original_none", "original", 100, 300.0), stage("proxy_none", "proxy", 100, 200.0)])}
     assert rows["preprocess"]["count"] == 1 and rows["run (original)"]["count"] == 1
     assert rows["run (original)"]["wall_s_per_step"] == 3.0 and rows["total"]["cpu_s"] == 1010.0
+
+
+def test_the_page_names_thresholds_of_zero_and_only_those():
+    from mindspeed_proxy.experiments.rl_page import zero_threshold_text
+
+    cals = {"all": {"thresholds": {"update-spectral/linear_qkv/frobenius": {"threshold": 0.0},
+                                   "rl/topk_match": {"threshold": 0.672}}},
+            "original": {"thresholds": {"rl/any_layer_mismatch": {"threshold": 0.0}}}, "proxy": {"error": "none"}}
+    text = zero_threshold_text({"calibrations": cals})
+    assert text.startswith("A threshold of 0 (rl/any_layer_mismatch, update-spectral/linear_qkv/frobenius): ")
+    assert "topk_match" not in text
+    assert zero_threshold_text({"calibrations": {"all": {"thresholds": {"a/b": {"threshold": 1e-9}}}}}) == ""

@@ -115,3 +115,34 @@ def test_noise_floor_rows_and_verdict_by_hand():
     assert f"Largest |shift| / std: {0.5 / std:.2f} (delta2/entropy, original, seed 3)" in text
     assert f"crossed by {100 * beyond:.0f}% of healthy samples" in text and "`lowp-attention:start=2`" in text
     assert H.noise_floor_verdict([], "x").startswith("No lowp-attention run")
+
+
+def _healthy(alerted: list[str]) -> dict:
+    """A 100-step healthy run record whose alerts name `alerted` statistics (family/metric)."""
+    alerts = [{"family": s.split("/", 1)[0], "metric": s.split("/", 1)[1], "step": 30 + i} for i, s in enumerate(alerted)]
+    return {**rec({s: 0.5 for s in range(100)}, None, alerts=len(alerts)), "alert_list": alerts}
+
+
+def test_promise_verdict_against_clopper_pearson_and_the_seed_breakdown():
+    """9 of 10 runs alarmed: the exact interval's lower end (scipy's beta quantile) is above a promise of 5 per 1000
+    100-step runs, so it is broken; 6 of 10: above the promise but the interval includes it; 0: kept."""
+    from scipy.stats import beta
+
+    frob, topk = "update-spectral/linear_qkv/frobenius", "rl/topk_match"
+    data = {(12, "original_none"): _healthy([]), (13, "original_none"): _healthy([topk])}
+    data.update({(14, f"original_none_s{i}"): _healthy([frob, frob]) for i in range(8)})
+    data.update({(12, "proxy_none"): _healthy([]), (13, "proxy_none"): _healthy([])})
+    data.update({(14, f"proxy_none_s{i}"): _healthy([frob] if i < 6 else []) for i in range(8)})
+    data[(14, "original_lr-spike")] = _healthy([frob])  # a faulted run is not a false alarm
+    text = H.promise_verdict(data, [12, 13, 14], 5)
+    low9, high9 = beta.ppf(0.025, 9, 2) * 10, beta.ppf(0.975, 10, 1) * 10  # per 1000 steps of 100-step runs
+    low6 = beta.ppf(0.025, 6, 5) * 10
+    assert low9 > 5 > low6
+    assert f"original 9.00 [{low9:.2f}, {high9:.2f}] (9 of 10 runs): BROKEN" in text
+    assert f"proxy 6.00 [{low6:.2f}, " in text and "(6 of 10 runs): above it, but its 95% interval includes it" in text
+    assert "kept" in H.promise_verdict({k: v for k, v in data.items() if k[0] == 12}, [12], 5)
+    rows = {(r["seed"], r["model"]): r for r in H.false_alarms_by_seed(data, [12, 13, 14])}
+    assert rows[(14, "original")] == {"seed": 14, "model": "original", "healthy runs": 8, "runs alarmed": 8,
+                                      "alerts": 16, "statistics that alerted": frob}
+    assert rows[(13, "original")]["statistics that alerted"] == topk and rows[(12, "proxy")]["runs alarmed"] == 0
+    assert rows[(14, "proxy")]["runs alarmed"] == 6 and len(rows) == 6
