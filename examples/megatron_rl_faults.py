@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mindspeed_proxy.experiments.matrix import TIMED_OUT, launch, torchrun  # noqa: E402
+from mindspeed_proxy.experiments.matrix import TIMED_OUT, launch as launch_command, torchrun  # noqa: E402
 from mindspeed_proxy.experiments.megatron_rl_faults import FaultRun, rollout_rewards, summarize, table  # noqa: E402
 from mindspeed_proxy.experiments.rl_matrix import read_jsonl  # noqa: E402
 from mindspeed_proxy.proxy.printed_launch import read_launch  # noqa: E402
@@ -84,7 +84,7 @@ def run(cmd: list[str], log: str, cwd: str, env: dict, check: bool = True,
         timeout: float | None = None) -> tuple[float, int]:
     """Run `cmd` in `cwd` with its output in `log` (experiments.matrix.launch: past `timeout` seconds the whole
     process group is killed and rc is TIMED_OUT); with `check`, exits naming the log on failure; (wall s, rc)."""
-    rc, _, wall = launch(cmd, Path(log), env=env, timeout=timeout, cwd=cwd)
+    rc, _, wall = launch_command(cmd, Path(log), env=env, timeout=timeout, cwd=cwd)
     if rc and check:
         sys.exit(f"megatron_rl_faults: {os.path.basename(log)[:-4]} failed (exit {rc}); see {log}")
     return wall, rc

@@ -117,3 +117,20 @@ def test_run_timeout_must_be_positive(tmp_path, value):
                       cwd=str(REPO), timeout=120)
     assert proc.returncode == 2 and f"--run-timeout {float(value):g}: must be a positive" in proc.stderr, proc.stderr
     assert not work.exists()
+
+
+def test_the_example_runs_its_stages_in_its_work_dir_and_records_a_timeout(tmp_path):
+    """examples/megatron_rl_faults.py's `run` (through experiments.matrix.launch): the command runs in the given
+    folder with its output in the log; past the timeout it is killed and its code is TIMED_OUT, not an exit."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("megatron_rl_faults_example", REPO / "examples" / "megatron_rl_faults.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    log = tmp_path / "stage.log"
+    wall, rc = example.run([sys.executable, "-c", "import os; print(os.getcwd())"], str(log), str(tmp_path), {})
+    assert rc == 0 and wall > 0 and log.read_text() == f"{tmp_path}\n"
+    wall, rc = example.run([sys.executable, "-c", "import time; time.sleep(30)"], str(log), str(tmp_path), {},
+                           check=False, timeout=1)
+    assert rc == example.TIMED_OUT == 124 and wall < 20 and "TimeoutError: no exit after 1 s" in log.read_text()
