@@ -75,7 +75,7 @@ def healthy_records(data: dict, seeds, model: str) -> list[dict]:
 def false_alarm_row(label: str, records: list[dict]) -> dict:
     """Alerts and alarmed runs per 1000 steps over healthy `records` (every alert of a healthy run is false), each
     with its exact 95% interval: Clopper–Pearson on runs alarmed / runs, Garwood (Poisson) on the alert count."""
-    from mindspeed_proxy.report.intervals import binomial_interval, poisson_interval
+    from mindspeed_proxy.report.intervals import poisson_interval
 
     steps = sum(len(d["rewards"]) for d in records)
     alerts = sum(d["alerts"] for d in records)
@@ -88,10 +88,18 @@ def false_alarm_row(label: str, records: list[dict]) -> dict:
     if records and steps:
         lo, hi = poisson_interval(alerts)
         row["alerts 95% interval"] = f"[{lo * per_k:.2f}, {hi * per_k:.2f}]"
-        per_run = steps / len(records)  # alarmed runs per 1000 steps = proportion alarmed × 1000 / run length
-        lo, hi = binomial_interval(alarmed, len(records))
-        row["runs alarmed 95% interval"] = f"[{lo * 1000 / per_run:.2f}, {hi * 1000 / per_run:.2f}]"
+        row["runs alarmed 95% interval"] = "[{:.2f}, {:.2f}]".format(*alarmed_interval(records))
     return row
+
+
+def alarmed_interval(records: list[dict]) -> tuple[float, float]:
+    """Exact 95% interval (Clopper–Pearson) of the runs alarmed per 1000 steps over healthy `records`: the
+    proportion alarmed × 1000 / mean run length."""
+    from mindspeed_proxy.report.intervals import binomial_interval
+
+    per_run = sum(len(d["rewards"]) for d in records) / len(records)
+    lo, hi = binomial_interval(sum(d["alerts"] > 0 for d in records), len(records))
+    return lo * 1000 / per_run, hi * 1000 / per_run
 
 
 def false_alarm_rows(data: dict, seeds) -> list[dict]:
@@ -109,7 +117,7 @@ def promise_verdict(data: dict, seeds, rate: float) -> str:
         if measured is None:
             parts.append(f"{model}: no held-out healthy run")
             continue
-        low = float(interval.strip("[]").split(",")[0])
+        low = alarmed_interval(healthy_records(data, seeds, model))[0]
         word = ("kept" if measured <= rate else "BROKEN: the whole 95% interval lies above it" if low > rate
                 else "above it, but its 95% interval includes it")
         parts.append(f"{model} {measured:.2f} {interval} ({row['runs alarmed']} of {row['count']} runs): {word}")
