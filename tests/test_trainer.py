@@ -59,11 +59,19 @@ def test_loss_decreases_on_embedded_corpus(full_runs):
 @pytest.mark.parametrize("fmt,dist_opt", [("torch", False), ("torch", True), ("torch_dist", True),
                                           ("torch_dist", False)])
 def test_resume_equals_uninterrupted(tmp_path, full_runs, fmt, dist_opt):
+    """From the tracker (iteration 20 removed, the tracker set to 10), or with the tracker left at 20 from
+    `--ckpt-step 10` (the distributed-optimizer cases)."""
     full = full_runs(fmt, dist_opt)
     resumed = tmp_path / "resumed"
-    shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("iter_0000020", "logs"))
-    (resumed / "latest_checkpointed_iteration.txt").write_text("10")
-    run_distributed(train, 2, _resume_args(fmt, dist_opt) + ["--load", str(resumed),
+    if dist_opt:
+        shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("logs"))
+        step = ["--ckpt-step", "10"]
+        assert (resumed / "latest_checkpointed_iteration.txt").read_text() == "20"
+    else:
+        shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("iter_0000020", "logs"))
+        (resumed / "latest_checkpointed_iteration.txt").write_text("10")
+        step = []
+    run_distributed(train, 2, _resume_args(fmt, dist_opt) + ["--load", str(resumed), *step,
                                                              "--log-dir", str(resumed / "logs")])
     a, b = steps(full / "logs"), steps(resumed / "logs")
     assert sorted(b) == list(range(11, 21))
@@ -108,7 +116,15 @@ def _garbage_dataset(tmp_path):
     return str(prefix)
 
 
-@pytest.mark.parametrize("case", ["ep-does-not-divide", "missing-load", "not-a-dataset"])
+def _one_checkpoint(tmp_path) -> str:
+    """A folder with a tracker naming iteration 3 and that iteration's (empty) folder."""
+    root = tmp_path / "ckpt"
+    (root / "iter_0000003").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    return str(root)
+
+
+@pytest.mark.parametrize("case", ["ep-does-not-divide", "missing-load", "missing-ckpt-step", "not-a-dataset"])
 def test_bad_input_one_error_line_nothing_written(tmp_path, case):
     work = tmp_path / "cwd"
     work.mkdir()
@@ -116,6 +132,7 @@ def test_bad_input_one_error_line_nothing_written(tmp_path, case):
     flags = {
         "ep-does-not-divide": ["--num-experts", "6", "--expert-model-parallel-size", "4"],
         "missing-load": ["--load", str(tmp_path / "does-not-exist")],
+        "missing-ckpt-step": ["--load", _one_checkpoint(tmp_path), "--ckpt-step", "7"],
         "not-a-dataset": ["--data-path", _garbage_dataset(tmp_path)],
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -128,7 +145,7 @@ def test_bad_input_one_error_line_nothing_written(tmp_path, case):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("train_moe.py: error: "), proc.stderr
     expected = {"ep-does-not-divide": "--expert-model-parallel-size 4", "missing-load": "does-not-exist",
-                "not-a-dataset": "garbage"}[case]
+                "missing-ckpt-step": "--ckpt-step iteration 7 but", "not-a-dataset": "garbage"}[case]
     assert expected in lines[0]
     assert not save.exists() and list(work.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == before

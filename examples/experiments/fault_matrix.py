@@ -94,6 +94,10 @@ def main(argv=None) -> int:
                    help="cores to fill with runs (one per rank; default: all): the 2-rank original runs one at a "
                         "time on 2 cores, the 1-rank proxy runs two at a time; 1 = strictly one run at a time")
     p.add_argument("--reuse", action="store_true", help="reuse the warm-up checkpoint and finished runs in --work-dir")
+    p.add_argument("--branch-healthy", action="store_true",
+                   help="run each model's healthy run as a branch of one of its faulted runs: it continues that run's "
+                        "checkpoint of the last step before the onset at which the monitor resumes exactly (the two "
+                        "are the same run up to there), so only the later steps run again; its records start there")
     p.add_argument("--warmup-iters", type=int, default=None, help="override the warm-up length (CI only)")
     p.add_argument("--iters", type=int, default=None, help="override the run length (CI only)")
     a = p.parse_args(argv)
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
     m = Matrix(cfg, work, ROOT, progress, reuse=a.reuse)
     m.warmup()
     m.convert()
-    done = m.run_grid([pairs[i] for i in order], slots=a.slots)
+    done = m.run_grid([pairs[i] for i in order], slots=a.slots, branch=a.branch_healthy)
     results = [done[order.index(i)] for i in range(len(pairs))]
     cached = m.work / "e4" / "result.json"
     if a.no_e4:

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -69,6 +70,8 @@ class RunResult:
     cpu_s: float | None  # user + system CPU seconds of torchrun and all its ranks (None: not recorded)
     wall_s: float | None
     command: list = field(default_factory=list)
+    branched_from: str | None = None  # the run whose checkpoint of step `branch_step` this run continued
+    branch_step: int | None = None
 
     def to_dict(self) -> dict:
         """Plain dict for JSON."""
@@ -238,8 +241,34 @@ class Matrix:
         self.progress(f"convert done in {wall:.0f}s: kept experts per layer {kept}")
         return self.convert_info
 
-    def run_one(self, model: str, fault: str) -> RunResult:
-        """One fine-tuning run of `model` from the warm-up (or its proxy) with `fault` injected."""
+    def branch_ckpt(self, name: str) -> Path:
+        """Where run `name` saves the checkpoint that a branch of it continues."""
+        return self.work / "branch" / name
+
+    def branch_points(self, pairs: list[tuple[str, str]]) -> dict:
+        """{(model, "none"): ((model, fault), step)} for each model whose healthy run and a faulted run are both in
+        `pairs`: the healthy run can continue the faulted run's checkpoint of a step before the fault's onset (the
+        same flags but --inject-fault, whose fault changes nothing before its start; the latest onset), the last
+        one at which the monitor resumes exactly: a multiple of its spectral and router intervals (docs/monitor.md,
+        "State in the checkpoint")."""
+        from mindspeed_proxy.monitor.config import MonitorConfig
+
+        mc = MonitorConfig.from_file(self.cfg["monitor_config"])
+        grid = math.lcm(mc.interval, mc.router_interval)
+        out = {}
+        for model in MODELS:
+            onsets = {f: fault_onset(self.cfg["faults"][f]) or 0 for m, f in pairs if m == model}
+            faulted = [f for f in onsets if f != "none" and onsets[f] > grid]
+            if "none" in onsets and faulted:
+                fault = max(faulted, key=lambda f: onsets[f])
+                out[(model, "none")] = ((model, fault), (onsets[fault] - 1) // grid * grid)
+        return out
+
+    def run_one(self, model: str, fault: str, save_at: int | None = None,
+                branch: tuple[str, int] | None = None) -> RunResult:
+        """One fine-tuning run of `model` from the warm-up (or its proxy) with `fault` injected; `save_at`: also
+        save its checkpoint of that step for a branch; `branch` = (run name, step): continue that run's checkpoint
+        of that step instead (optimizer, RNG and monitor state too), running only the later steps."""
         m, r = self.cfg[model], self.cfg["run"]
         spec = self.cfg["faults"][fault]
         name = f"{model}_{fault}"
@@ -247,23 +276,34 @@ class Matrix:
         done = self.work / "runs" / f"{name}.result.json"
         if self.reuse and done.is_file():
             res = RunResult(**json.loads(done.read_text()))
-            if res.spec == spec and res.iters == r["iters"]:
+            saved = save_at is None or (self.branch_ckpt(name) / "latest_checkpointed_iteration.txt").is_file()
+            if res.spec == spec and res.iters == r["iters"] and saved and (res.branched_from is None or branch):
                 self.progress(f"run {name}: reusing {run_dir}")
                 return res
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
-        ckpt = self.warm_ckpt if model == "original" else self.proxy_ckpt
-        args = [*self.model_args(model), "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng",
-                "--train-iters", str(r["iters"]), "--log-dir", str(run_dir), "--log-interval", "1000000",
-                "--enable-mechanism-monitor", "--mechanism-monitor-config", self.cfg["monitor_config"],
-                *r.get("args", [])]
+        common = ["--train-iters", str(r["iters"]), "--log-dir", str(run_dir), "--log-interval", "1000000",
+                  "--enable-mechanism-monitor", "--mechanism-monitor-config", self.cfg["monitor_config"],
+                  *r.get("args", [])]
+        if branch is not None:
+            args = [*self.model_args(model), "--load", str(self.branch_ckpt(branch[0])), "--ckpt-step",
+                    str(branch[1]), *common]
+        else:
+            ckpt = self.warm_ckpt if model == "original" else self.proxy_ckpt
+            args = [*self.model_args(model), "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng",
+                    *common]
+        if save_at is not None:
+            shutil.rmtree(self.branch_ckpt(name), ignore_errors=True)
+            args += ["--save", str(self.branch_ckpt(name)), "--save-interval", str(save_at)]
         if spec:
             args += ["--inject-fault", spec]
         cmd = torchrun(m["ranks"], self.trainer, args)
-        self.progress(f"run {name}: {m['ranks']} rank(s), {r['iters']} steps, fault {spec or 'none'} ...")
+        since = f", continuing {branch[0]} after step {branch[1]}" if branch else ""
+        self.progress(f"run {name}: {m['ranks']} rank(s), {r['iters']} steps, fault {spec or 'none'}{since} ...")
         rc, cpu, wall = launch(cmd, run_dir / "train.log", self.env)
-        res = RunResult(name, model, fault, spec, str(run_dir), m["ranks"], r["iters"], rc, cpu, wall, cmd)
+        res = RunResult(name, model, fault, spec, str(run_dir), m["ranks"], r["iters"], rc, cpu, wall, cmd,
+                        *(branch or (None, None)))
         if rc:
             raise RuntimeError(f"run {name} failed (rc {rc}); see {run_dir / 'train.log'}")
         done.write_text(json.dumps(res.to_dict()))
@@ -273,11 +313,31 @@ class Matrix:
                       f"{_last_step(run_dir).get('loss', float('nan')):.3f}")
         return res
 
-    def run_grid(self, pairs: list[tuple[str, str]], slots: int = 1) -> list[RunResult]:
+    def run_grid(self, pairs: list[tuple[str, str]], slots: int = 1, branch: bool = False) -> list[RunResult]:
         """Run every (model, fault) pair, in order, as many at once as fit in `slots` cores (a run takes one
-        core per rank, one rank per core); results in the order of `pairs`."""
-        return run_in_slots([lambda m=m, f=f: self.run_one(m, f) for m, f in pairs],
-                            [min(self.cfg[m]["ranks"], slots) for m, _ in pairs], slots)
+        core per rank, one rank per core); results in the order of `pairs`. `branch`: each healthy run continues
+        a faulted run of its model from the step before the onset (`branch_points`), after it, not from step 0."""
+        plan = self.branch_points(pairs) if branch else {}
+        sources = {src: step for src, step in plan.values()}
+        finished = {src: threading.Event() for src in sources}
+        order = [p for p in pairs if p not in plan]
+        for healthy, (src, _) in plan.items():
+            order.insert(order.index(src) + 1, healthy)
+
+        def job(pair):
+            if pair in plan:
+                src, step = plan[pair]
+                finished[src].wait()
+                return self.run_one(*pair, branch=(f"{src[0]}_{src[1]}", step))
+            try:
+                return self.run_one(*pair, **({"save_at": sources[pair]} if pair in sources else {}))
+            finally:
+                if pair in finished:
+                    finished[pair].set()
+
+        done = run_in_slots([lambda p=p: job(p) for p in order], [min(self.cfg[m]["ranks"], slots) for m, _ in order],
+                            slots)
+        return [done[order.index(p)] for p in pairs]
 
 
 def run_in_slots(jobs: list, needs: list[int], slots: int) -> list:

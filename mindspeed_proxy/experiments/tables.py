@@ -143,11 +143,12 @@ def e3_rows(cfg: dict, data: dict) -> list[dict]:
 
 
 def cost_rows(data: dict, fault: str = "none") -> list[dict]:
-    """Cost per model from its run under `fault` (else its first run): ranks, CPU-s and rank-seconds per step."""
+    """Cost per model from its run under `fault` (else its first run), runs from step 0 only (a branch ran fewer
+    steps than its `iters`): ranks, CPU-s and rank-seconds per step."""
     rows = []
+    whole = {k: x for k, x in data["runs"].items() if not x.get("branched_from")}
     for model in ("original", "proxy"):
-        r = data["runs"].get(f"{model}_{fault}") or next(
-            (x for x in data["runs"].values() if x["model"] == model), None)
+        r = whole.get(f"{model}_{fault}") or next((x for x in whole.values() if x["model"] == model), None)
         if r:
             rows.append({"model": model, "fault": r["fault"], "ranks": r["ranks"], "iters": r["iters"], "cpu_s": r["cpu_s"],
                          "cpu_per_step": r["cpu_s"] / r["iters"], "wall_s": r["wall_s"],
@@ -252,7 +253,9 @@ def markdown(cfg: dict, data: dict, e4: dict | None, extra: dict) -> str:
           "`loss_grad_norm.png` and per-family `*_aggregate.png` (baseline band, alerts), `summary.md`/`summary.html`; "
           f"raw records in `{folder}/raw/<run>.{{metrics,monitor}}.jsonl.gz`; every number on this page "
           f"in `{folder}/results.json`.", ""]
-    for name in data["runs"]:
-        L.append(f"- `{name}`: [summary]({folder}/{name}/summary.md), "
+    for name, r in data["runs"].items():
+        since = (f" (continued `{r['branched_from']}`'s checkpoint of step {r['branch_step']}, before its fault: "
+                 f"its records start at step {r['branch_step'] + 1})") if r.get("branched_from") else ""
+        L.append(f"- `{name}`{since}: [summary]({folder}/{name}/summary.md), "
                  f"![{name} loss]({folder}/{name}/loss_grad_norm.png)")
     return "\n".join(L) + "\n"

@@ -80,6 +80,8 @@ def build_parser(prog: str = "train_moe.py") -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="the iteration of --load to load (default: the one its latest_checkpointed_iteration.txt names)")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist")
     g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true")

@@ -328,10 +328,11 @@ def checkpoint_format(root: str, iteration: int | None = None) -> str:
     """'torch_dist' or 'torch' for the checkpoint under `root` (ValueError if neither)."""
     from megatron.core import dist_checkpointing
 
+    named_by = "tracker names" if iteration is None else "--ckpt-step"
     iteration = read_tracker(root) if iteration is None else iteration
     folder = iteration_dir(root, iteration)
     if not os.path.isdir(folder):
-        raise ValueError(f"--load {root}: tracker names iteration {iteration} but {folder} is missing")
+        raise ValueError(f"--load {root}: {named_by} iteration {iteration} but {folder} is missing")
     if dist_checkpointing.check_is_distributed_checkpoint(folder):
         return "torch_dist"
     if any(name.startswith("mp_rank_") for name in os.listdir(folder)):

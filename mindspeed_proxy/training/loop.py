@@ -152,7 +152,7 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
 
             data.validate_data_prefix(args.data_path)
         W.check_available(args.tensorboard_dir)
-        load_format = C.checkpoint_format(args.load) if args.load else None
+        load_format = C.checkpoint_format(args.load, args.ckpt_step) if args.load else None
         monitor_config = None
         if args.inject_fault:
             from mindspeed_proxy.faults.spec import RL_ONLY, parse_fault
@@ -181,7 +181,8 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
         from mindspeed_proxy import patches
         from mindspeed_proxy.patches.runtime import RUNTIME
 
-        RUNTIME.iteration = C.read_tracker(args.load) if args.load and not args.finetune else 0
+        RUNTIME.iteration = 0 if not args.load or args.finetune else \
+            args.ckpt_step if args.ckpt_step is not None else C.read_tracker(args.load)
         RUNTIME.resume = bool(args.load) and not args.finetune  # the monitor's folder continues that run
         patches.apply(monitor_config, enable_monitor=monitor_config is not None, faults=args.inject_fault)
     writer = W.build_writer(args.tensorboard_dir, torch.distributed.get_rank() ==
@@ -197,7 +198,8 @@ def train(argv: list[str] | None = None, prog: str = "train_moe.py") -> int:
     if args.load:
         loader = C.loader(load_format)
         try:
-            info = loader(args.load, trainer, load_optim=not (args.finetune or args.no_load_optim),
+            info = loader(args.load, trainer, args.ckpt_step,
+                          load_optim=not (args.finetune or args.no_load_optim),
                           load_rng=not (args.finetune or args.no_load_rng),
                           parts=None if args.finetune else parts)
         except ValueError as exc:  # every rank refuses alike; nothing has been written yet
