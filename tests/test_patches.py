@@ -12,11 +12,11 @@ from mindspeed_proxy.testing.parallel import init_parallel
 from mindspeed_proxy.tiny_moe import TinyMoEConfig
 from mindspeed_proxy.training.engine import TrainConfig, Trainer, microbatch_sample_ids
 
-STEPS = 20
+STEPS = 15  # samples at 5, 10, 15 (δ = 2) and the expert-feature windows of steps 3, 8, 13: every family
 
 
 def train_with(mode, tp=1, ep=1, out_dir=None):
-    """20 steps in a fresh process: 'unpatched', 'patched-off' (patches, monitor off) or 'monitor-on'."""
+    """STEPS steps in a fresh process: 'unpatched', 'patched-off' (patches, monitor off) or 'monitor-on'."""
     from mindspeed_proxy import patches
     from mindspeed_proxy.monitor import MonitorConfig
 

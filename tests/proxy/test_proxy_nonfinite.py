@@ -5,8 +5,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from mindspeed_proxy.checkpoint_io import safe_torch_load
 from mindspeed_proxy.proxy.cli import main
+from mindspeed_proxy.testing import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 ITER = "iter_0000002"
@@ -138,15 +137,16 @@ def test_torch_dist_nan_expert_named(dist_checkpoints, tmp_path):
     with open(path, "r+b") as fh:  # one float32 of the stored bytes becomes NaN
         fh.seek(where)
         fh.write(torch.tensor([float("nan")], dtype=element.dtype).numpy().tobytes())
-    base = [sys.executable, str(REPO / "convert_to_proxy.py"), "--load", str(root), "--target-expert-parallel-size",
-            "1", "--target-num-experts", "4"]
-    run = subprocess.run(base + ["--save", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    # the command forked from the launcher's fork server (torch and megatron-core imported: ~3 CPU-s less a run);
+    # its exit code and one stderr line from a new interpreter: tests/proxy/test_proxy_bad_input.py
+    base = [str(REPO / "convert_to_proxy.py"), "--load", str(root), "--target-expert-parallel-size", "1",
+            "--target-num-experts", "4"]
+    run = run_python(base + ["--save", str(tmp_path / "out")], timeout=300)
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert f"layer {layer}: experts [{expert}]" in lines[0] and "linear_fc1.weight[expert 6]" in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
-    run = subprocess.run(base + ["--save", str(tmp_path / "out"), "--non-finite-experts", "exclude"],
-                         capture_output=True, text=True, timeout=300)
+    run = run_python(base + ["--save", str(tmp_path / "out"), "--non-finite-experts", "exclude"], timeout=300)
     assert run.returncode == 0, run.stderr
     manifest = json.loads((tmp_path / "out" / "proxy_manifest.json").read_text())
     entry = next(l for l in manifest["layers"] if l["layer"] == layer)
