@@ -27,9 +27,9 @@ from mindspeed_proxy.monitor import reductions as R
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.monitor import STATISTICS, MechanismMonitor
 from mindspeed_proxy.monitor.router import RouterStats
-from mindspeed_proxy.monitor.spectral import qk_increment_spectra, singular_values_from_gram, update_gram
-from mindspeed_proxy.monitor.spectral_family import NSTAT, stats_vector
-from mindspeed_proxy.monitor.spectral_routes import gram_rank_tol, qk_spectra_rank_tol
+from mindspeed_proxy.monitor.spectral import qk_increment_spectra, update_gram
+from mindspeed_proxy.monitor.spectral_family import NSTAT, stats_vector, update_stats
+from mindspeed_proxy.monitor.spectral_routes import qk_spectra_rank_tol
 
 
 
@@ -218,9 +218,7 @@ class HFMonitor(MechanismMonitor):
         for slot in self._mine(layer):
             current = slot.read(self._full)
             delta = current - self.snapshots[("w", layer.index, slot.index)].to(current.device)
-            gram = update_gram(delta, None)
-            sigma, n = singular_values_from_gram(gram), gram.shape[-1]
-            table[layer.index, slot.index, :NSTAT] = stats_vector(sigma, n, gram_rank_tol(n, n, sigma.dtype))
+            table[layer.index, slot.index, :NSTAT] = update_stats(update_gram(delta, None))
             table[layer.index, slot.index, NSTAT] = 1.0
 
     def _layer_qk(self, layer: hf_targets.Layer, table: torch.Tensor) -> None:

@@ -41,6 +41,17 @@ def stats_vector(sigma: torch.Tensor, matrix_dim: int, rank_tol: Optional[float]
     return torch.stack([stats[name] for name in STAT_NAMES], dim=-1).float()
 
 
+def update_stats(gram: torch.Tensor) -> torch.Tensor:
+    """The STAT_NAMES vector of a ΔW from its (summed) n×n Gram: σ = √eig, floored at √(n·eps)·σ_max.
+
+    The floor is the Gram's own size n, not the length d of its dot products (ΔW's other side): the null-space σ of
+    a float32 ΔW come out near √eps·σ_max whatever d ((3.2-4.6)e-4·σ_max for d = 16384-262144 at n = 64, below
+    √(64·eps) = 2.8e-3), while the worst-case √(d·eps) would drop real σ below 0.18·σ_max at d = 262144
+    (tests/monitor/test_spectral.py)."""
+    sigma, n = singular_values_from_gram(gram), gram.shape[-1]
+    return stats_vector(sigma, n, gram_rank_tol(n, n, sigma.dtype))
+
+
 def _tensors(value) -> list:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -141,8 +152,7 @@ class SpectralFamilies:
                 owned = (g.etp_rank == 0) if w.expert_parallel else g.owns_replicated
                 if not owned:
                     continue
-                sigma, n = singular_values_from_gram(gram), gram.shape[-1]
-                table[w.layer, w.slot, :NSTAT] = stats_vector(sigma, n, gram_rank_tol(n, n, sigma.dtype))
+                table[w.layer, w.slot, :NSTAT] = update_stats(gram)
                 table[w.layer, w.slot, NSTAT] = 1.0
         except Exception:
             self._fail("update-spectral")

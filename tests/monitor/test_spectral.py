@@ -5,6 +5,7 @@ import torch
 
 from mindspeed_proxy.monitor.spectral import (
     qk_increment_singular_values,
+    update_gram,
     spectral_stats,
     update_singular_values,
 )
@@ -442,3 +443,26 @@ def test_gram_core_congruence_by_sygst_equals_the_two_gemms_in_float64():
     got = _gram_core_singular_values(a.mT @ a, b.mT @ b, torch.finfo(torch.float64).eps)
     dense = np.linalg.svd((a @ b.mT).numpy(), compute_uv=False)[..., :m]
     assert np.abs(got.numpy() - dense).max() <= 1e-10 * dense.max()
+
+
+@pytest.mark.parametrize("long_side", [16384, 262144])
+@pytest.mark.parametrize("mode", [None, "row"])
+def test_update_stats_of_a_tall_low_rank_update_equal_the_float64_reference(long_side, mode):
+    """A float32 ΔW of exact rank 3 (σ = 3, 2, 0.3) with a 64×64 Gram of `long_side`-long dot products: the
+    monitor's update statistics equal the float64 reference of its 3 nonzero σ. The Gram's null-space σ stay below
+    the √(64·eps) floor; a floor from the dot-product length (√(262144·eps) = 0.18) would drop σ = 0.3 of 3."""
+    from mindspeed_proxy.monitor.config import STAT_NAMES
+    from mindspeed_proxy.monitor.spectral_family import update_stats
+
+    gen = torch.Generator().manual_seed(11)
+    u = torch.linalg.qr(torch.randn(long_side, 3, generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(64, 3, generator=gen, dtype=torch.float64))[0]
+    delta = (u @ torch.diag(torch.tensor([3.0, 2.0, 0.3], dtype=torch.float64)) @ v.T).float()  # [long, 64]
+    if mode == "row":
+        delta = delta.T.contiguous()  # [64, long]: the out×out Gram
+    gram = update_gram(delta, mode)
+    assert gram.shape == (64, 64)
+    got = update_stats(gram)
+    ref = spectral_stats(torch.linalg.svdvals(delta.double()), rank=3)
+    for i, name in enumerate(STAT_NAMES):
+        assert got[i].item() == pytest.approx(ref[name].item(), rel=2e-4), name
