@@ -74,8 +74,11 @@ class RunResult:
     branch_step: int | None = None
 
     def to_dict(self) -> dict:
-        """Plain dict for JSON."""
-        return dict(vars(self))
+        """Plain dict for JSON (the branch fields only for a branch, so other records read as before them)."""
+        out = dict(vars(self))
+        if self.branched_from is None:
+            del out["branched_from"], out["branch_step"]
+        return out
 
 
 class Progress:

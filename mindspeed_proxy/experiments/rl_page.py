@@ -5,6 +5,7 @@ from pathlib import Path
 
 from mindspeed_proxy.experiments import rl_heldout as H
 from mindspeed_proxy.experiments.rl_tables import _label, _table, gap_rows, r3_verdicts
+from mindspeed_proxy.monitor.calibration import ZERO_THRESHOLD_MEANING
 
 
 def run_rows(cfg: dict, data: dict, seeds) -> list[dict]:
@@ -70,10 +71,9 @@ def zero_threshold_text(ctx: dict) -> str:
                    if v["threshold"] == 0})
     if not zero:
         return ""
-    return (f"A threshold of 0 ({', '.join(zero)}): every healthy tuning run scored 0 on that statistic, i.e. never "
-            "moved past its baseline in the alert direction, so the k-th largest score is 0 and any such move of a "
-            "held-out run alerts. The bound k/(N + 1) still holds (ties only make it conservative), for held-out "
-            "runs exchangeable with the tuning runs: it rests on the tuning runs moving as held-out runs do.\n\n")
+    return (f"A threshold of 0 ({', '.join(zero)}): {ZERO_THRESHOLD_MEANING} (the k-th largest score is 0). The "
+            "bound k/(N + 1) still holds (ties only make it conservative), for held-out runs exchangeable with the "
+            "tuning runs: it rests on the tuning runs moving as held-out runs do.\n\n")
 
 
 def stage_costs(results: list) -> dict:

@@ -29,6 +29,9 @@ FORMS: dict[str, tuple[dict, str, str]] = {
     "ema-cusum": ({"method": "ema", "cusum": True, "z_threshold": 1e9}, "cusum_h", "cusum"),
 }
 TAILS = ("auto", "order", "gumbel")
+# what a threshold of 0 means, said where one is printed (`calibrate`, the RL matrix pages)
+ZERO_THRESHOLD_MEANING = ("every tuning run scored 0 (never past its baseline in the alert direction), so any such move "
+                          "of a new run alerts")
 EULER_GAMMA = 0.5772156649015329
 
 

@@ -14,7 +14,8 @@ import tempfile
 
 from mindspeed_proxy.cli import error
 from mindspeed_proxy.extras import MissingExtra, require
-from mindspeed_proxy.monitor.calibration import FORMS, TAILS, CalibrationError, calibrate_statistics
+from mindspeed_proxy.monitor.calibration import (FORMS, TAILS, ZERO_THRESHOLD_MEANING, CalibrationError,
+                                                calibrate_statistics)
 from mindspeed_proxy.monitor.config import MonitorConfig
 from mindspeed_proxy.monitor.detectors import FAMILIES
 from mindspeed_proxy.report.replay import per_layer_metrics, replay_alerts
@@ -184,9 +185,8 @@ def main(argv=None) -> int:
             guarantee = (f"P(alarm) ≤ {res['promised']:.3g} per run (k={res['k']} of N={res['runs']})"
                          if res["tail"] == "order" else f"Gumbel fit on N={res['runs']}: extrapolated, no guarantee")
             print(f"  [{form}] {family}/{metric}: {FORMS[form][1]} = {res['threshold']:.4g}; {guarantee}"
-                  + ("; every tuning run scored 0 (never past its baseline in the alert direction): any such move of "
-                     "a new run alerts, so tune on runs from as many starts (checkpoints, seeds) as the new runs "
-                     "will have" if res["threshold"] == 0 else ""))
+                  + (f"; {ZERO_THRESHOLD_MEANING}: tune on runs from as many starts (checkpoints, seeds) as the "
+                     "new runs will have" if res["threshold"] == 0 else ""))
         for stat, reason in cfg.calibration["uncalibrated"].items():
             print(f"  [{form}] {stat}: NOT calibrated, keeps the base config's detector: {reason}")
         total = sum(res["promised"] for res in results.values())
