@@ -318,8 +318,9 @@ class Matrix:
 
     def run_grid(self, pairs: list[tuple[str, str]], slots: int = 1, branch: bool = False) -> list[RunResult]:
         """Run every (model, fault) pair, in order, as many at once as fit in `slots` cores (a run takes one
-        core per rank, one rank per core); results in the order of `pairs`. `branch`: each healthy run continues
-        a faulted run of its model from the step before the onset (`branch_points`), after it, not from step 0."""
+        core per rank, one rank per core); results in the order of `pairs`. `branch`: each healthy run starts
+        after a faulted run of its model has finished and continues its checkpoint of a step before the onset
+        (`branch_points`), instead of running from step 0."""
         plan = self.branch_points(pairs) if branch else {}
         sources = {src: step for src, step in plan.values()}
         finished = {src: threading.Event() for src in sources}
