@@ -112,12 +112,13 @@ def promise_verdict(data: dict, seeds, rate: float) -> str:
     above it (the 95% interval still includes it) or BROKEN (the whole interval lies above it)."""
     parts = []
     for model in MODELS:
-        row = false_alarm_row(model, healthy_records(data, seeds, model))
+        records = healthy_records(data, seeds, model)
+        row = false_alarm_row(model, records)
         measured, interval = row["runs alarmed per 1000 steps"], row["runs alarmed 95% interval"]
         if measured is None:
             parts.append(f"{model}: no held-out healthy run")
             continue
-        low = alarmed_interval(healthy_records(data, seeds, model))[0]
+        low = alarmed_interval(records)[0]
         word = ("kept" if measured <= rate else "BROKEN: the whole 95% interval lies above it" if low > rate
                 else "above it, but its 95% interval includes it")
         parts.append(f"{model} {measured:.2f} {interval} ({row['runs alarmed']} of {row['count']} runs): {word}")
