@@ -30,6 +30,18 @@ def fail_on_rank_one(how):
     return True
 
 
+def die_on_one_then_fail_on_zero():
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks past gloo's connect
+    if dist.get_rank() == 1:
+        os._exit(7)
+    time.sleep(0.3)
+    raise RuntimeError("rank zero lost its peer")
+
+
 def train_steps():
     """Five steps of the tiny MoE at EP=2: losses and grad norms."""
     from mindspeed_proxy.layout_init import global_init
@@ -67,6 +79,16 @@ def test_a_failing_rank_is_reported(how):
     expected = "rank one refuses" if how == "raise" else "exit code 7"
     with pytest.raises(DistributedTestError, match=expected):
         run_distributed(fail_on_rank_one, 2, how, timeout=120)
+
+
+def test_a_silent_death_is_reported_before_the_error_it_caused():
+    """A rank that dies without a word (here os._exit; in CI once while its peer was still in gloo's connect) makes
+    its peer fail; the report names the death first, then the peer's traceback."""
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(die_on_one_then_fail_on_zero, 2, timeout=120)
+    message = str(err.value)
+    assert message.startswith("rank 1 of die_on_one_then_fail_on_zero died with exit code 7; then rank 0 "), message
+    assert "rank zero lost its peer" in message
 
 
 def test_forked_ranks_train_bit_identically_to_fresh_interpreters(monkeypatch):

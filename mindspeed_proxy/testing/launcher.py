@@ -132,7 +132,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
     `fn` must be importable (a module-level function). Each rank gets RANK/WORLD_SIZE/MASTER_* set,
     one torch thread, the platform activated and a process group initialised; parallel_state and
     the process group are destroyed after `fn`. Raises DistributedTestError with the first child
-    traceback if any rank fails, dies or exceeds `timeout` seconds; every child is ended first.
+    traceback if any rank fails, dies or exceeds `timeout` seconds (a rank that died without a traceback
+    named before the error it caused in a peer); every child is ended first.
     """
     from datetime import timedelta
 
@@ -173,7 +174,14 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
                     )
                 continue
             if status == "error":
-                raise DistributedTestError(f"rank {rank} of {fn.__name__} failed:\n{value}")
+                failure = f"rank {rank} of {fn.__name__} failed:\n{value}"
+                # a rank that died without a word (os._exit, a signal) makes its peers fail too, e.g. in gloo's
+                # connect; its death, not their consequential error, is what to report first
+                dead = _died_unreported(procs, set(values) | {rank}, settle=0.5)
+                if dead:
+                    failure = (f"rank {dead[0]} of {fn.__name__} died with exit code {procs[dead[0]].exitcode}; "
+                               f"then {failure}")
+                raise DistributedTestError(failure)
             values[rank] = pickle.loads(value)
     finally:
         for proc in procs:
@@ -184,6 +192,16 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
         results.close()
         del store
     return [values[r] for r in range(world_size)]
+
+
+def _died_unreported(procs, reported: set, settle: float) -> list[int]:
+    """Ranks not in `reported` that ended with a non-zero exit code, waiting up to `settle` s for one to show."""
+    end = time.monotonic() + settle
+    while True:
+        dead = [i for i, p in enumerate(procs) if i not in reported and p.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= end or all(p.exitcode is not None for p in procs):
+            return dead
+        time.sleep(0.02)
 
 
 def _python_child(argv, caller, env, out_path, err_path):
