@@ -153,3 +153,32 @@ def test_a_newer_state_layout_is_refused_with_one_line():
     assert part.monitor.loaded is None and part.restored_from is None
     part.load_state_dict({"version": 1, "disabled": []}, where="x")
     assert part.monitor.loaded == {"version": 1, "disabled": []} and part.restored_from == "x"
+
+
+def test_a_resume_inside_a_router_window_records_that_window_untested(tmp_path):
+    """The router window's token sums are not in the checkpoint (per rank, not yet reduced): resumed from step 5 with
+    router_interval 2, the sample at step 6 covers one step. It is written with `window_steps` 1 and not tested, so
+    the router detectors saved at step 10 have seen one sample fewer than the uninterrupted run's."""
+    full = _run(tmp_path, "odd", "torch", "--save", str(tmp_path / "odd" / "ckpt"), "--save-interval", "5")
+    ckpt = tmp_path / "odd_resumed" / "ckpt"
+    shutil.copytree(full / "ckpt", ckpt, ignore=shutil.ignore_patterns("iter_00000[1-9][0-9]", "iter_000001[0-9]"))
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000005"]
+    resumed = _run(tmp_path, "odd_resumed", "torch", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "5")
+
+    def router_samples(run):
+        records = [json.loads(line) for line in open(run / "mon" / "monitor.jsonl", encoding="utf-8")]
+        return {r["step"]: r for r in records if r["type"] == "sample" and r["family"] == "router"}
+
+    after = router_samples(resumed)
+    assert sorted(after) == list(range(6, STEPS + 1, 2))
+    assert after[6]["window_steps"] == 1 and all("window_steps" not in r for s, r in after.items() if s != 6)
+    assert all("window_steps" not in r for r in router_samples(full).values())
+
+    def seen(run_ckpt):
+        state = _saved_state(run_ckpt, "torch", 10)["router_detectors"]["detectors"]
+        return {tuple(key): det["samples"] for key, det in state}
+
+    uninterrupted, resumed_seen = seen(full / "ckpt"), seen(ckpt)
+    assert uninterrupted and set(resumed_seen) == set(uninterrupted)
+    assert all(resumed_seen[k] == n - 1 for k, n in uninterrupted.items())

@@ -162,6 +162,14 @@ def test_replay_reproduces_the_online_alerts_and_answers_what_if(runs, tmp_path,
     assert all(a["kind"] == "non-finite" for a in replay_alerts(run, MonitorConfig.from_file(str(deaf))))
     late = MonitorConfig.from_dict({**run.config, "detect_start": 10 ** 6})
     assert replay_alerts(run, late) == []
+    # samples a resume cut short (the monitor writes them with `window_steps` and does not test them): nor does replay
+    cut = tmp_path / "cut"
+    shutil.copytree(runs["alerting"], cut)
+    records = jsonl(cut / "mechanism_monitor" / "monitor.jsonl")
+    with open(cut / "mechanism_monitor" / "monitor.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps({**r, "window_steps": 1} if r["type"] == "sample" else r) + "\n")
+    assert replay_alerts(load_run(cut), MonitorConfig.from_dict(run.config)) == []
     assert main(["replay", str(runs["alerting"])]) == 0
     out = capsys.readouterr().out
     first = min(online, key=lambda a: a["step"])

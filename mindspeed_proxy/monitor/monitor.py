@@ -75,6 +75,8 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
+        # the step a resume loaded, when it fell inside a router window: that window's token sums are not saved
+        self._router_window_from: Optional[int] = None
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
         self.alerts: list = []
         self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)
@@ -187,6 +189,9 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
     # ---------------------------------------------------------------- router family
     def _router_step(self, iteration: int) -> None:
         stats, t, g = self.router_stats, self.targets, self.groups
+        since, self._router_window_from = self._router_window_from, None
+        window_steps = iteration - since if since is not None and 0 < iteration - since < self.config.router_interval \
+            else None
         weights = torch.zeros(t.num_layers, len(ROUTER_WEIGHT_KEYS) + 1, device=self.device)
         owner = g.tp_rank == 0 and g.dp_rank == 0 and g.cp_rank == 0
         try:
@@ -231,7 +236,7 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
                 for metric, value in rec.items():
                     if metric != "load":
                         per_layer.setdefault(metric, {})[layer] = value
-            self._publish("router", iteration, records, per_layer, self.router_detectors)
+            self._publish("router", iteration, records, per_layer, self.router_detectors, window_steps=window_steps)
         except Exception:
             self._fail("router")
         stats.reset()
@@ -288,16 +293,20 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
             alert.mechanism, alert.mitigation = GAP_CAUSES[self.gap_cause]
         return alert
 
-    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, relabel=None) -> None:
+    def _publish(self, family, iteration, records, per_layer, bank: DetectorBank, relabel=None,
+                 window_steps: Optional[int] = None) -> None:
+        """Record a sample and test it; a sample over a window a resume cut short (`window_steps`) is not tested."""
         name = self.targets.label  # MTP rows published as `mtp.N`
         records = {name(layer): r for layer, r in records.items()}
         per_layer = {m: {name(layer): v for layer, v in layers.items()} for m, layers in per_layer.items()}
         self.last[family] = {"step": iteration, "layers": records}
         series = self.config.detection_series(family, per_layer)
-        alerts = bank.update_many(iteration, series) if iteration >= self.config.detect_start else []
+        tested = iteration >= self.config.detect_start and window_steps is None
+        alerts = bank.update_many(iteration, series) if tested else []
         alerts = [relabel(a) for a in alerts] if relabel is not None else alerts
         self.alerts.extend(alerts)
-        self._emit({"type": "sample", "family": family, "step": iteration, "layers": records})
+        sample = {"type": "sample", "family": family, "step": iteration, "layers": records}
+        self._emit(sample if window_steps is None else {**sample, "window_steps": window_steps})
         for alert in alerts:
             self._emit({"type": "alert", **alert.to_dict()})
         tags = scalar_tags(family, per_layer)
@@ -319,6 +328,7 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
         self._settle(state.get("run_id"), state.get("step"))
         if isinstance(state.get("step"), int):
             self.last_step = state["step"]
+            self._router_window_from = state["step"] if state["step"] % self.config.router_interval else None
         self.spectral_detectors.load_state_dict(state["spectral_detectors"])
         self.router_detectors.load_state_dict(state["router_detectors"])
         if "rl_detectors" in state:

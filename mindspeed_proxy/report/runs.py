@@ -96,7 +96,10 @@ def load_run(run_dir) -> Run:
             elif kind == "faults":
                 run.faults = rec.get("faults", [])
             elif kind == "sample" and rec.get("family"):
-                run.samples.setdefault(rec["family"], []).append({"step": rec["step"], "layers": rec["layers"]})
+                sample = {"step": rec["step"], "layers": rec["layers"]}
+                if rec.get("window_steps") is not None:  # a router window a resume cut short: not tested
+                    sample["window_steps"] = rec["window_steps"]
+                run.samples.setdefault(rec["family"], []).append(sample)
             elif kind == "alert":
                 run.alerts.append(rec)
             elif kind == "monitor-error":
