@@ -95,6 +95,7 @@ class HFMonitor(MechanismMonitor):
         self.expert_features = None  # the converter's expert features: Megatron host only
         self._failures, self._reported = {}, set()
         self._prev_load = None
+        self._router_window_from = None  # no monitor state in this host's checkpoints: windows start full
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
         self.alerts, self.last = [], {}
         self.provenance_hook_calls, self.gap_cause = 0, None
@@ -248,12 +249,12 @@ class HFMonitor(MechanismMonitor):
         with self.gather(gates):  # router weights of every layer at once ([E, H] each)
             super()._router_step(iteration)
 
-    def _publish(self, family, iteration, records, per_layer, bank, relabel=None) -> None:
+    def _publish(self, family, iteration, records, per_layer, bank, relabel=None, window_steps=None) -> None:
         if family == "router" and self.groups.ep_size > 1:  # tokens routed to each EP rank's experts
             for layer, rec in records.items():
                 ep_load = torch.tensor(rec["load"]).view(self.groups.ep_size, -1).sum(dim=-1).tolist()
                 rec["ep_load"] = ep_load
-        super()._publish(family, iteration, records, per_layer, bank, relabel)
+        super()._publish(family, iteration, records, per_layer, bank, relabel, window_steps)
 
     def close(self) -> None:
         """Close the sinks, drop the snapshots and detach the router hooks."""
