@@ -95,7 +95,6 @@ class HFMonitor(MechanismMonitor):
         self.expert_features = None  # the converter's expert features: Megatron host only
         self._failures, self._reported = {}, set()
         self._prev_load = None
-        self._router_window_from = None  # no monitor state in this host's checkpoints: windows start full
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
         self.alerts, self.last = [], {}
         self.provenance_hook_calls, self.gap_cause = 0, None

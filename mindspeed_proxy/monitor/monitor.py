@@ -44,6 +44,10 @@ def _model_config(chunk):
 class MechanismMonitor(RunOutputs, SpectralFamilies):
     """The mechanism monitor of one training job (construct on every rank, same config everywhere)."""
 
+    # the step a resume loaded, when it fell inside a router window (that window's token sums are not saved); a class
+    # default, so that hosts building their own state (hosts/hf_monitor.py) start with full windows too
+    _router_window_from: Optional[int] = None
+
     def __init__(self, config, model, optimizer=None, process_groups: Optional[R.MonitorGroups] = None,
                  tensorboard_writer=None, wandb_writer=None, iteration: int = 0, resume: bool = False,
                  tensorboard_dir: Optional[str] = None):
@@ -75,8 +79,6 @@ class MechanismMonitor(RunOutputs, SpectralFamilies):
         self._failures: dict[str, str] = {}
         self._reported: set[str] = set()
         self._prev_load: Optional[torch.Tensor] = None
-        # the step a resume loaded, when it fell inside a router window: that window's token sums are not saved
-        self._router_window_from: Optional[int] = None
         self.is_logging_rank = self.groups.global_rank == cfg.log_rank
         self.alerts: list = []
         self.provenance_hook_calls = 0  # forward-hook calls of the last non-finite re-run (0: none ran)

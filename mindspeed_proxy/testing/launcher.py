@@ -167,7 +167,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                dead = _died_unreported(procs, set(values), settle=0.0)
                 if dead:
                     raise DistributedTestError(
                         f"rank {dead[0]} of {fn.__name__} died with exit code {procs[dead[0]].exitcode}"
